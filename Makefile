@@ -1,0 +1,56 @@
+# Everything a new machine needs is installed by these targets, idempotently, into .venv.
+# `make run` starts the embedded cluster; `make test` runs the tests.
+
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PIP     := $(VENV)/bin/pip
+SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# The engine extra: the GPU build of vLLM and Mooncake when a GPU answers, the CPU build otherwise.
+GPU     := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+EXTRA   ?= $(if $(GPU),gpu,cpu)
+STAMP   := $(VENV)/.installed-$(EXTRA)
+PORT    ?= 8000
+MODEL   ?=
+PYTEST_ARGS ?=
+
+.PHONY: install sysdeps run test lint model clean
+
+install: $(STAMP)
+
+$(PY):
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# Mooncake's Python module links libibverbs.so.1 even for TCP.
+sysdeps:
+	@if ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; then \
+	  if command -v apt-get >/dev/null; then \
+	    echo "installing libibverbs1 (needed by Mooncake)"; \
+	    $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libibverbs1; \
+	  else echo "warning: libibverbs.so.1 missing and no apt-get: install rdma-core/libibverbs"; fi; \
+	fi
+
+$(STAMP): pyproject.toml | $(PY) sysdeps
+	$(PIP) install -e '.[$(EXTRA),test]'
+ifeq ($(EXTRA),cpu)
+	@# PyPI's torchvision/torchaudio/torchcodec are built for the CUDA torch and break
+	@# `transformers` beside the CPU torch; text serving needs none of them.
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+endif
+	$(PY) -c "import protos"
+	@touch $@
+
+model: install
+	$(PY) -m tinymodel
+
+run: install
+	$(PY) -m conductor.launcher --port $(PORT) $(if $(MODEL),--model $(MODEL))
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) run .pytest_cache protos/*_pb2*.py protos/*_pb2.pyi

@@ -1,0 +1,1 @@
+"""Code shared by every process of the cluster: membership, process supervision, ports, logging."""

@@ -1,0 +1,100 @@
+"""Child processes of the launcher and the tests, each in its own process group.
+
+A child gets `PR_SET_PDEATHSIG(SIGKILL)` so that it dies with its parent, and is started as a
+session leader so that `stop()`/`kill()` reach its own children too (vLLM's engine core).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+class ManagedProcess:
+    """One supervised child: started in its own session, logged to a file, stopped as a group."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        self.env = dict(os.environ if env is None else env)
+        self.cwd = cwd
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ManagedProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab", buffering=0)
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+            cwd=self.cwd,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        log.close()
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, f"{self.name} was never started"
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal_group(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        """SIGKILL the whole group (the child and everything it started) and reap it."""
+        self.signal_group(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM the group, wait up to `timeout`, then SIGKILL what is left."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.signal_group(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        # Grandchildren may outlive a child that exited on SIGTERM: sweep the group.
+        self.signal_group(signal.SIGKILL)
+        self.proc.wait()
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""

@@ -1,0 +1,1 @@
+"""The conductor: OpenAI-compatible endpoint, routing over prefill/decode pairs, admin API."""

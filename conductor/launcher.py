@@ -1,0 +1,256 @@
+"""The embedded single-machine cluster: etcd, the Mooncake master, prefill and decode workers,
+and the conductor, each a child process in its own process group, all on loopback.
+
+`python -m conductor.launcher` (what `make run` calls) starts it, prints the endpoint and a
+`curl` line, and stops every child on Ctrl-C. Tests use the same class, so the tests and the
+user run one code path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import structlog
+
+from cluster.etcd_server import EtcdServer
+from cluster.ports import free_port
+from cluster.process import ManagedProcess
+from store.master import StoreMaster
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    model: str
+    prefill: int = 1
+    decode: int = 1
+    http_port: int = 8000
+    """0 picks a free port."""
+    etcd_port: int = 0
+    store_rpc_port: int = 0
+    store_metadata_port: int = 0
+    run_dir: str = ""
+    """Logs and data; a temporary directory when empty."""
+    block_size: int = 32
+    max_model_len: int = 2048
+    dtype: str = "float32"
+    kv_cache_bytes: int = 256 << 20
+    pool_segment_bytes: int = 256 << 20
+    lease_ttl: float = 5.0
+    policy: str = "least_loaded"
+    worker_env: tuple[tuple[str, str], ...] = ()
+    conductor_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.prefill < 0 or self.decode < 0:
+            raise ValueError("worker counts must be non-negative")
+        if not os.path.isdir(self.model):
+            raise ValueError(f"model must be a local model directory: {self.model!r}")
+
+
+@dataclass
+class WorkerProcess:
+    instance_id: str
+    role: str
+    port: int
+    process: ManagedProcess
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+@dataclass
+class EmbeddedCluster:
+    spec: ClusterSpec
+    run_dir: Path = field(init=False)
+    etcd: EtcdServer | None = None
+    master: StoreMaster | None = None
+    workers: dict[str, WorkerProcess] = field(default_factory=dict)
+    conductor: ManagedProcess | None = None
+    http_port: int = 0
+    _counter: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.run_dir = Path(self.spec.run_dir or tempfile.mkdtemp(prefix="kvcluster-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    # -------------------------------------------------------------- start / stop
+
+    def start(self, wait: bool = True, timeout: float = 240.0) -> EmbeddedCluster:
+        s = self.spec
+        try:
+            self.etcd = EtcdServer(client_port=s.etcd_port or None,
+                                   data_dir=self.run_dir / "etcd",
+                                   log_path=self.run_dir / "etcd.log").start()
+            self.master = StoreMaster(rpc_port=s.store_rpc_port or None,
+                                      http_port=s.store_metadata_port or None,
+                                      log_path=self.run_dir / "mooncake_master.log").start()
+            for _ in range(s.prefill):
+                self.start_worker("prefill")
+            for _ in range(s.decode):
+                self.start_worker("decode")
+            self.start_conductor()
+            if wait:
+                self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_worker(self, role: str) -> WorkerProcess:
+        assert self.etcd is not None and self.master is not None, "start() first"
+        n = self._counter.get(role, 0)
+        self._counter[role] = n + 1
+        instance_id = f"{role}-{n}"
+        port = free_port()
+        s = self.spec
+        argv = [
+            sys.executable, "-m", f"{role}_worker",
+            "--model", s.model, "--etcd", self.etcd.endpoint,
+            "--pool-master", self.master.master_addr,
+            "--pool-metadata", self.master.metadata_url,
+            "--port", str(port), "--instance-id", instance_id,
+            "--block-size", str(s.block_size), "--max-model-len", str(s.max_model_len),
+            "--dtype", s.dtype, "--kv-cache-bytes", str(s.kv_cache_bytes),
+            "--pool-segment-bytes", str(s.pool_segment_bytes),
+            "--lease-ttl", str(s.lease_ttl),
+        ]
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        env.update(dict(s.worker_env))
+        proc = ManagedProcess(instance_id, argv, self.run_dir / f"{instance_id}.log", env=env)
+        wp = WorkerProcess(instance_id, role, port, proc.start())
+        self.workers[instance_id] = wp
+        log.info("worker_started", instance_id=instance_id, pid=proc.pid, port=port)
+        return wp
+
+    def stop_worker(self, instance_id: str, kill: bool = False) -> None:
+        wp = self.workers.pop(instance_id)
+        if kill:
+            wp.process.kill()
+        else:
+            wp.process.stop(timeout=20.0)
+
+    def start_conductor(self) -> ManagedProcess:
+        assert self.etcd is not None
+        s = self.spec
+        self.http_port = self.http_port or s.http_port or free_port()
+        argv = [sys.executable, "-m", "conductor", "--model", s.model,
+                "--etcd", self.etcd.endpoint, "--port", str(self.http_port),
+                "--policy", s.policy, *s.conductor_args]
+        self.conductor = ManagedProcess("conductor", argv, self.run_dir / "conductor.log").start()
+        return self.conductor
+
+    def wait_ready(self, timeout: float = 240.0) -> None:
+        """Until /health says a prefill and a decode instance are up (or a child died)."""
+        deadline = time.monotonic() + timeout
+        need_workers = self.spec.prefill > 0 and self.spec.decode > 0
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                r = httpx.get(f"{self.url}/health", timeout=2.0)
+                if r.status_code == 200 or (not need_workers and r.status_code == 503):
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"cluster not ready after {timeout:.0f}s; logs in {self.run_dir}")
+
+    def _check_alive(self) -> None:
+        procs = [w.process for w in self.workers.values()]
+        if self.conductor is not None:
+            procs.append(self.conductor)
+        for p in procs:
+            if not p.alive():
+                raise RuntimeError(f"{p.name} exited; last log lines:\n{p.tail()}")
+
+    def stop(self) -> None:
+        """Stop everything, conductor first, store and etcd last. Safe to call twice."""
+        if self.conductor is not None:
+            self.conductor.stop(timeout=10.0)
+            self.conductor = None
+        for iid in list(self.workers):
+            self.stop_worker(iid)
+        if self.master is not None:
+            self.master.stop()
+            self.master = None
+        if self.etcd is not None:
+            self.etcd.stop()
+            self.etcd = None
+
+    def __enter__(self) -> EmbeddedCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from cluster.logging import configure
+    from tinymodel.builder import ensure_model
+
+    p = argparse.ArgumentParser(prog="kvcluster", description="Run the embedded cluster.")
+    p.add_argument("--model", default=os.environ.get("KVCLUSTER_MODEL", ""),
+                   help="local HF model directory (default: the built-in tiny model)")
+    p.add_argument("--port", type=int, default=int(os.environ.get("KVCLUSTER_PORT", "8000")))
+    p.add_argument("--prefill", type=int, default=1)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--etcd-port", type=int, default=0)
+    p.add_argument("--store-rpc-port", type=int, default=0)
+    p.add_argument("--store-metadata-port", type=int, default=0)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--run-dir", default=os.environ.get("KVCLUSTER_RUN_DIR", "run"))
+    a = p.parse_args(argv)
+    configure("launcher")
+    model = a.model or str(ensure_model())
+    spec = ClusterSpec(model=model, prefill=a.prefill, decode=a.decode, http_port=a.port,
+                       etcd_port=a.etcd_port, store_rpc_port=a.store_rpc_port,
+                       store_metadata_port=a.store_metadata_port, run_dir=a.run_dir,
+                       block_size=a.block_size, max_model_len=a.max_model_len)
+    cluster = EmbeddedCluster(spec)
+    stopping = False
+
+    def _stop(signum: int, frame: object) -> None:
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        print(f"starting the embedded cluster (logs in {cluster.run_dir}/) ...", flush=True)
+        cluster.start()
+        name = os.path.basename(model.rstrip("/"))
+        print(f"\nkvcluster is serving {name} at {cluster.url}\n\n"
+              f"  curl {cluster.url}/v1/completions -H 'Content-Type: application/json' \\\n"
+              f"    -d '{{\"model\": \"{name}\", \"prompt\": \"The quick brown fox\", "
+              f"\"max_tokens\": 16, \"temperature\": 0}}'\n\n"
+              "Ctrl-C stops every process.", flush=True)
+        while True:
+            time.sleep(1.0)
+            cluster._check_alive()
+    except KeyboardInterrupt:
+        print("\nstopping ...", flush=True)
+    finally:
+        cluster.stop()
+        print("stopped.", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,46 @@
+"""The block-key scheme shared by the conductor's index and the KV connector.
+
+A prompt is cut into full blocks of `block_size` tokens; block i is identified by the chained
+hash `h[i] = XXH3-64(h[i-1] || tokens of block i)`, with `h[-1]` derived from the tenant's
+`cache_salt` (empty salt: a fixed seed). Two prompts share `h[i]` only if they share every
+token up to the end of block i and the salt, so a hash names a whole prefix, as in Mooncake.
+The trailing partial block has no hash.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+import xxhash
+
+_ROOT = 0x6B76636C75737472  # "kvclustr": h[-1] when there is no salt
+
+
+def root_hash(cache_salt: str | None = None) -> int:
+    """h[-1]: the chain's seed, separating tenants that set different salts."""
+    if not cache_salt:
+        return _ROOT
+    return xxhash.xxh3_64_intdigest(cache_salt.encode(), seed=_ROOT)
+
+
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, cache_salt: str | None = None
+) -> list[int]:
+    """Chained 64-bit hashes of every full block of `token_ids`."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    tokens = array("I", token_ids)
+    raw = tokens.tobytes()
+    step = block_size * tokens.itemsize
+    prev = root_hash(cache_salt)
+    out: list[int] = []
+    for start in range(0, (len(tokens) // block_size) * step, step):
+        prev = xxhash.xxh3_64_intdigest(prev.to_bytes(8, "little") + raw[start : start + step])
+        out.append(prev)
+    return out
+
+
+def block_key(namespace: str, block_hash: int) -> str:
+    """The pool's object key for one block of a model/layout `namespace`."""
+    return f"{namespace}/{block_hash:016x}"

@@ -1,0 +1,82 @@
+"""Shared fixtures: the tiny model, one embedded cluster per session, the reference engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conductor.launcher import ClusterSpec, EmbeddedCluster
+
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 2048
+DTYPE = "float32"
+LEASE_TTL = 3.0
+HERE = Path(__file__).resolve().parent
+
+# Prompts of several full blocks, each used by one test only: a prompt seen before would be
+# served from an engine's local prefix cache instead of the pool.
+PROMPTS = {
+    "e2e": "In the morning the old miller counted seven sacks of grain, and the river ran "
+           "fast under the stone bridge. " * 6,
+    "control": "Numbers: 4, 8, 15, 16, 23, 42. The keeper wrote them on the red door and "
+               "walked back to the lighthouse. " * 6,
+    "control_corrupt": "The green lantern hung above the market square while twelve "
+                       "merchants argued about the price of salt and copper. " * 6,
+}
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> str:
+    """The built-in tiny model, or `KVCLUSTER_TEST_MODEL` (a local HF model directory)."""
+    from tinymodel.builder import ensure_model
+
+    return os.environ.get("KVCLUSTER_TEST_MODEL") or str(ensure_model())
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir: str):  # noqa: ANN201
+    from conductor.tokenizer import Tokenizer
+
+    return Tokenizer(model_dir)
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(tokenizer) -> dict[str, list[int]]:  # noqa: ANN001
+    ids = {name: tokenizer.encode_prompt(text) for name, text in PROMPTS.items()}
+    for name, toks in ids.items():
+        assert len(toks) >= 4 * BLOCK_SIZE + 1, (name, len(toks))
+    return ids
+
+
+@pytest.fixture(scope="session")
+def reference(model_dir: str, prompt_ids: dict[str, list[int]]) -> dict[str, dict]:
+    """Greedy outputs of every test prompt on one standalone engine (started once)."""
+    names = list(prompt_ids)
+    job = {"model": model_dir, "block_size": BLOCK_SIZE, "max_model_len": MAX_MODEL_LEN,
+           "dtype": DTYPE, "prompts": [prompt_ids[n] for n in names], "max_tokens": MAX_TOKENS}
+    proc = subprocess.run([sys.executable, str(HERE / "reference_engine.py")],
+                          input=json.dumps(job), capture_output=True, text=True, timeout=300,
+                          start_new_session=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    outs = json.loads(line.removeprefix("RESULT "))
+    return dict(zip(names, outs, strict=True))
+
+
+@pytest.fixture(scope="session")
+def cluster(model_dir: str, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    spec = ClusterSpec(model=model_dir, prefill=1, decode=1, http_port=0,
+                       run_dir=str(tmp_path_factory.mktemp("cluster")),
+                       block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, dtype=DTYPE,
+                       kv_cache_bytes=256 << 20, pool_segment_bytes=256 << 20,
+                       lease_ttl=LEASE_TTL)
+    c = EmbeddedCluster(spec)
+    c.start(timeout=300)
+    yield c
+    c.stop()

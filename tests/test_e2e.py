@@ -1,0 +1,153 @@
+"""The whole path on real parts: conductor -> prefill worker -> Mooncake pool -> decode worker.
+
+Real vLLM engines, a real mooncake_master and store clients, a real etcd (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import grpc
+import httpx
+import pytest
+import torch
+
+from conftest import BLOCK_SIZE, DTYPE, LEASE_TTL, MAX_TOKENS
+from protos import worker_pb2, worker_pb2_grpc
+from store.block_hash import block_hashes, block_key
+from store.pool import MooncakePool, PoolConfig
+from worker.engine import kv_namespace
+
+LOGPROB_TOL = 1e-4
+"""float32 on one CPU: the loaded prefix and the recomputed one agree to rounding only."""
+
+
+def assert_same_output(got_ids: list[int], got_lps: list[float], ref: dict) -> None:
+    assert got_ids == ref["token_ids"]
+    assert len(got_lps) == len(ref["logprobs"])
+    for a, b in zip(got_lps, ref["logprobs"], strict=True):
+        assert math.isclose(a, b, abs_tol=LOGPROB_TOL), (got_lps, ref["logprobs"])
+
+
+def differs(got_ids: list[int], got_lps: list[float], ref: dict) -> bool:
+    try:
+        assert_same_output(got_ids, got_lps, ref)
+    except AssertionError:
+        return True
+    return False
+
+
+def test_request_through_the_cluster_equals_a_single_engine(cluster, prompt_ids, reference):
+    prompt = prompt_ids["e2e"]
+    full_blocks = len(prompt) // BLOCK_SIZE
+    loadable = (len(prompt) - 1) // BLOCK_SIZE  # the block holding the last token is computed
+    r = httpx.post(f"{cluster.url}/v1/completions", timeout=120, json={
+        "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
+        "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    choice = body["choices"][0]
+    kv = body["kv_transfer"]
+    # The prefill worker wrote every full block of the prompt, and the pool holds them.
+    assert kv["blocks_saved"] == full_blocks
+    assert kv["blocks_in_pool"] == full_blocks
+    # The decode engine computed only the tail: everything up to the last token's block
+    # came from the pool, not from its own cache (it never saw this prompt).
+    assert kv["blocks_loaded"] == loadable
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == loadable * BLOCK_SIZE
+    assert body["usage"]["prompt_tokens"] == len(prompt)
+    assert body["usage"]["completion_tokens"] == MAX_TOKENS
+    assert_same_output(choice["token_ids"], choice["logprobs"]["token_logprobs"],
+                       reference["e2e"])
+
+
+def _worker_stub(cluster, role: str) -> worker_pb2_grpc.WorkerStub:
+    wp = next(w for w in cluster.workers.values() if w.role == role)
+    return worker_pb2_grpc.WorkerStub(grpc.insecure_channel(wp.address))
+
+
+def _prefill_then_decode(cluster, request_id: str, prompt: list[int], between=None):
+    """Drive the two workers the way the conductor does, with a hook between the halves."""
+    prefill, decode = _worker_stub(cluster, "prefill"), _worker_stub(cluster, "decode")
+    reply = prefill.Prefill(worker_pb2.PrefillRequest(request_id=request_id, token_ids=prompt),
+                            timeout=60)
+    if between is not None:
+        between()
+    params = worker_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1)
+    ids: list[int] = []
+    lps: list[float] = []
+    first = None
+    for chunk in decode.Generate(worker_pb2.GenerateRequest(request_id=request_id,
+                                                            token_ids=prompt, params=params),
+                                 timeout=60):
+        first = first or chunk
+        ids += chunk.token_ids
+        lps += chunk.logprobs
+    return reply, first, ids, lps
+
+
+@pytest.fixture
+def pool_client(cluster):  # noqa: ANN201
+    pool = MooncakePool(PoolConfig(master_addr=cluster.master.master_addr,
+                                   metadata_url=cluster.master.metadata_url,
+                                   segment_bytes=0))
+    yield pool
+    pool.close()
+
+
+def test_negative_control_corrupted_pool_blocks_are_detected(
+        cluster, prompt_ids, reference, model_dir, pool_client):
+    """The comparison above can fail: corrupt the pooled blocks and the output differs."""
+    # Twin without corruption, on the same direct path, must match: the path itself is sound.
+    reply, first, ids, lps = _prefill_then_decode(cluster, "control-clean", prompt_ids["control"])
+    assert reply.blocks_saved > 0
+    assert first.num_cached_tokens == ((len(prompt_ids["control"]) - 1) // BLOCK_SIZE) * BLOCK_SIZE
+    assert_same_output(ids, lps, reference["control"])
+
+    prompt = prompt_ids["control_corrupt"]
+    ns = kv_namespace(model_dir, BLOCK_SIZE, DTYPE)
+    keys = [block_key(ns, h) for h in block_hashes(prompt, BLOCK_SIZE)]
+    loadable = (len(prompt) - 1) // BLOCK_SIZE
+
+    def corrupt() -> None:
+        values = pool_client.get_many(keys[:loadable])
+        assert all(v is not None for v in values), "prefill did not leave its blocks in the pool"
+        gen = torch.Generator().manual_seed(0)
+        # force: the prefill's dedup check leased the objects, which blocks a plain remove
+        assert pool_client.remove(keys[:loadable], force=True) == loadable
+        fakes = [(k, torch.randn(len(v) // 4, generator=gen).numpy().tobytes())
+                 for k, v in zip(keys[:loadable], values, strict=True)]
+        report = pool_client.put_many(fakes)
+        assert report.written == loadable, report
+
+    reply, first, ids, lps = _prefill_then_decode(cluster, "control-corrupt", prompt,
+                                                  between=corrupt)
+    assert first.num_cached_tokens == loadable * BLOCK_SIZE  # the corrupt blocks were loaded
+    assert differs(ids, lps, reference["control_corrupt"])
+
+
+def test_stopped_decode_worker_leaves_within_lease_ttl_then_503(cluster):
+    """Kill the decode worker (its lease is no longer kept alive): the conductor drops it
+    within the lease TTL and answers 503 in OpenAI format, fast, instead of hanging."""
+    decode_id = next(i for i, w in cluster.workers.items() if w.role == "decode")
+    try:
+        t0 = time.monotonic()
+        cluster.stop_worker(decode_id, kill=True)
+        while httpx.get(f"{cluster.url}/health", timeout=5).status_code == 200:
+            assert time.monotonic() - t0 < LEASE_TTL + 2.0, "decode worker still routed to"
+            time.sleep(0.1)
+        gone_after = time.monotonic() - t0
+        assert gone_after <= LEASE_TTL + 2.0
+
+        t1 = time.monotonic()
+        r = httpx.post(f"{cluster.url}/v1/completions", timeout=30,
+                       json={"prompt": "hello there", "max_tokens": 4})
+        assert time.monotonic() - t1 < 2.0
+        assert r.status_code == 503
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert err["code"] == 503 and "decode" in err["message"]
+    finally:
+        cluster.start_worker("decode")
+        cluster.wait_ready(timeout=180)

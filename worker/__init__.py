@@ -1,0 +1,1 @@
+"""What both worker roles share: the engine wrapper, the gRPC servicer, the process main."""

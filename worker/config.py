@@ -1,0 +1,100 @@
+"""A worker's configuration, validated in one place, from CLI flags and environment."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import uuid
+from dataclasses import dataclass, fields
+
+ROLES = ("prefill", "decode", "both")
+KV_ROLE = {"prefill": "kv_producer", "decode": "kv_both", "both": "kv_both"}
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: str
+    """prefill | decode | both (able to do either; the conductor decides per request)."""
+    model: str
+    """Path of a local Hugging Face model directory."""
+    etcd: str
+    """etcd endpoint host:port for membership."""
+    pool_master: str
+    """Mooncake master RPC address host:port."""
+    pool_metadata: str
+    """Mooncake metadata server URL."""
+    served_model_name: str = ""
+    """Model name clients use; defaults to the model directory's name."""
+    host: str = "127.0.0.1"
+    port: int = 0
+    """gRPC port; 0 picks a free one."""
+    advertise_host: str = ""
+    """Host other nodes reach this worker at; defaults to `host` (or the hostname for 0.0.0.0)."""
+    instance_id: str = ""
+    device: str = "cpu"
+    """cpu | cuda: where the engine runs. Nothing else in the worker depends on it."""
+    block_size: int = 32
+    max_model_len: int = 2048
+    dtype: str = "float32"
+    kv_cache_bytes: int = 512 << 20
+    max_num_seqs: int = 64
+    pool_segment_bytes: int = 256 << 20
+    lease_ttl: float = 5.0
+    enforce_eager: bool = True
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.block_size <= 0 or (self.device == "cpu" and self.block_size % 32):
+            raise ValueError(f"block_size must be a positive multiple of 32 on CPU, "
+                             f"got {self.block_size}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port out of range: {self.port}")
+        if self.lease_ttl < 1:
+            raise ValueError(f"lease_ttl must be at least 1 s, got {self.lease_ttl}")
+        if not os.path.isdir(self.model):
+            raise ValueError(f"model must be a local model directory: {self.model!r}")
+        if not self.served_model_name:
+            object.__setattr__(self, "served_model_name", os.path.basename(self.model.rstrip("/")))
+        if not self.instance_id:
+            object.__setattr__(self, "instance_id", f"{self.role}-{uuid.uuid4().hex[:8]}")
+        if not self.advertise_host:
+            host = socket.gethostname() if self.host in ("0.0.0.0", "::") else self.host
+            object.__setattr__(self, "advertise_host", host)
+
+    @property
+    def kv_role(self) -> str:
+        return KV_ROLE[self.role]
+
+
+def _env_name(field: str) -> str:
+    return f"KVCLUSTER_WORKER_{field.upper()}"
+
+
+def parse_args(argv: list[str] | None, role: str) -> WorkerConfig:
+    """Flags override `KVCLUSTER_WORKER_<FIELD>` environment variables override defaults."""
+    p = argparse.ArgumentParser(prog=f"{role}_worker", description=f"A {role} worker.")
+    for f in fields(WorkerConfig):
+        if f.name == "role":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        env = os.environ.get(_env_name(f.name))
+        kind = f.type if isinstance(f.type, type) else {"int": int, "float": float,
+                                                         "bool": bool, "str": str}[f.type]
+        if kind is bool:
+            p.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=env)
+        else:
+            p.add_argument(flag, type=kind, default=env)
+    ns = p.parse_args(argv)
+    kwargs = {k: v for k, v in vars(ns).items() if v is not None}
+    missing = [n for n in ("model", "etcd", "pool_master", "pool_metadata") if n not in kwargs]
+    if missing:
+        p.error("missing: " + ", ".join("--" + m.replace("_", "-") for m in missing))
+    for k, v in list(kwargs.items()):
+        if isinstance(v, str) and k in ("port", "block_size", "max_model_len", "kv_cache_bytes",
+                                        "max_num_seqs", "pool_segment_bytes"):
+            kwargs[k] = int(v)
+    return WorkerConfig(role=role, **kwargs)

@@ -1,0 +1,137 @@
+"""The vLLM engine of a worker, in-process (`AsyncLLM`), with our pool connector loaded."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from worker.config import WorkerConfig
+
+log = structlog.get_logger(__name__)
+
+
+def kv_namespace(model: str, block_size: int, dtype: str) -> str:
+    """Pool key prefix: blocks are only shared between engines with the same model and layout."""
+    cfg = Path(model, "config.json")
+    blob = cfg.read_bytes() if cfg.exists() else model.encode()
+    digest = hashlib.sha256(blob + f"|{block_size}|{dtype}".encode()).hexdigest()[:12]
+    return f"kv-{digest}"
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    blocks_saved: int
+    block_keys: tuple[str, ...]
+    engine_seconds: float
+
+
+class Engine:
+    """One `AsyncLLM` configured from a `WorkerConfig`."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.namespace = kv_namespace(config.model, config.block_size, config.dtype)
+        self._llm = None
+
+    def start(self) -> None:
+        # Imported here: vLLM is heavy and the engine-core process is spawned.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        from vllm.config import KVTransferConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        c = self.config
+        ktc = KVTransferConfig(
+            kv_connector="PoolConnector",
+            kv_connector_module_path="store.connector",
+            kv_role=c.kv_role,
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={
+                "master_addr": c.pool_master,
+                "metadata_url": c.pool_metadata,
+                "namespace": self.namespace,
+                "segment_bytes": c.pool_segment_bytes,
+            },
+        )
+        args = AsyncEngineArgs(
+            model=c.model,
+            served_model_name=[c.served_model_name],
+            dtype=c.dtype,
+            block_size=c.block_size,
+            max_model_len=c.max_model_len,
+            max_num_seqs=c.max_num_seqs,
+            kv_cache_memory_bytes=c.kv_cache_bytes,
+            enable_prefix_caching=True,
+            enforce_eager=c.enforce_eager,
+            kv_transfer_config=ktc,
+            disable_log_stats=True,
+        )
+        self._llm = AsyncLLM.from_engine_args(args)
+        log.info("engine_started", model=c.model, role=c.role, namespace=self.namespace)
+
+    @property
+    def llm(self):  # noqa: ANN201 - vLLM's AsyncLLM, typed lazily
+        if self._llm is None:
+            raise RuntimeError("engine not started")
+        return self._llm
+
+    @staticmethod
+    def _prompt(token_ids: list[int], cache_salt: str) -> dict:
+        prompt: dict = {"prompt_token_ids": token_ids}
+        if cache_salt:
+            prompt["cache_salt"] = cache_salt
+        return prompt
+
+    async def prefill(self, request_id: str, token_ids: list[int], cache_salt: str
+                      ) -> PrefillResult:
+        """Compute the prompt (one output token, discarded) so its blocks reach the pool."""
+        from vllm import SamplingParams
+
+        t0 = time.perf_counter()
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        final = None
+        async for out in self.llm.generate(self._prompt(token_ids, cache_salt), params,
+                                           request_id):
+            final = out
+        assert final is not None
+        ktp = final.kv_transfer_params or {}
+        return PrefillResult(
+            num_prompt_tokens=len(token_ids),
+            num_cached_tokens=final.num_cached_tokens or 0,
+            blocks_saved=int(ktp.get("pool_blocks_saved", 0)),
+            block_keys=tuple(ktp.get("pool_block_keys", ())),
+            engine_seconds=time.perf_counter() - t0,
+        )
+
+    def generate(self, request_id: str, token_ids: list[int], params, cache_salt: str
+                 ) -> AsyncIterator:
+        """Stream `RequestOutput` deltas; cancelling the iterator aborts the engine request."""
+        return self.llm.generate(self._prompt(token_ids, cache_salt), params, request_id)
+
+    async def abort(self, request_id: str) -> None:
+        await self.llm.abort(request_id)
+
+    def running(self) -> int:
+        try:
+            return self.llm.output_processor.get_num_unfinished_requests()
+        except AttributeError:
+            return 0
+
+    def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+
+def model_max_len(model: str) -> int:
+    cfg = json.loads(Path(model, "config.json").read_text())
+    return int(cfg.get("max_position_embeddings", 2048))

@@ -1,0 +1,73 @@
+"""A worker process: engine, gRPC server with health, etcd registration, ordered shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from cluster.instance import InstanceInfo
+from cluster.logging import configure
+from cluster.membership import Registration
+from protos import worker_pb2_grpc
+from worker.config import WorkerConfig, parse_args
+from worker.engine import Engine
+from worker.servicer import WorkerServicer
+
+log = structlog.get_logger(__name__)
+
+VERSION = "0.1.0"
+
+
+async def serve(config: WorkerConfig) -> None:
+    engine = Engine(config)
+    engine.start()
+    servicer = WorkerServicer(engine, config.instance_id, config.role)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set("kvcluster.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
+
+    info = InstanceInfo(
+        instance_id=config.instance_id,
+        role=config.role,
+        address=f"{config.advertise_host}:{port}",
+        model=config.served_model_name,
+        block_size=config.block_size,
+        capacity_tokens=config.kv_cache_bytes,
+        version=VERSION,
+        started_at=time.time(),
+    )
+    registration = Registration(config.etcd, info, ttl=max(2, round(config.lease_ttl)))
+    await registration.start()
+    log.info("worker_ready", instance_id=config.instance_id, role=config.role,
+             address=info.address)
+    print(f"READY {config.instance_id} {info.address}", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+    # Ordered shutdown: stop being routed to, drain in-flight RPCs, then stop the engine.
+    log.info("worker_stopping", instance_id=config.instance_id)
+    await health_servicer.enter_graceful_shutdown()
+    await registration.stop()
+    await server.stop(grace=10.0)
+    engine.shutdown()
+    log.info("worker_stopped", instance_id=config.instance_id)
+
+
+def main(role: str, argv: list[str] | None = None) -> None:
+    config = parse_args(argv, role)
+    configure(f"{role}_worker")
+    asyncio.run(serve(config))

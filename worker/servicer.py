@@ -1,0 +1,166 @@
+"""The gRPC `Worker` service over one engine."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+
+from protos import worker_pb2, worker_pb2_grpc
+from worker.engine import Engine
+
+log = structlog.get_logger(__name__)
+
+
+def sampling_params(p: worker_pb2.SamplingParams):  # noqa: ANN201 - vllm.SamplingParams
+    """Wire sampling parameters to vLLM's. vLLM's own validation raises ValueError."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        max_tokens=p.max_tokens or 16,
+        temperature=p.temperature,
+        top_p=p.top_p or 1.0,
+        top_k=p.top_k if p.top_k > 0 else -1 if p.top_k < 0 else 0,
+        seed=p.seed if p.HasField("seed") else None,
+        stop=list(p.stop) or None,
+        stop_token_ids=list(p.stop_token_ids) or None,
+        logprobs=p.logprobs if p.logprobs > 0 else None,
+        ignore_eos=p.ignore_eos,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty or 1.0,
+        min_tokens=p.min_tokens,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def _chunk(out, first: bool) -> worker_pb2.GenerateChunk:  # noqa: ANN001 - RequestOutput
+    comp = out.outputs[0]
+    chunk = worker_pb2.GenerateChunk(token_ids=list(comp.token_ids), text=comp.text)
+    if comp.logprobs:
+        for tok, lp in zip(comp.token_ids, comp.logprobs, strict=False):
+            chunk.logprobs.append(_finite(lp[tok].logprob))
+            top = worker_pb2.TokenLogprobs()
+            for tid, entry in lp.items():
+                top.top.add(token_id=tid, logprob=_finite(entry.logprob),
+                            token=entry.decoded_token or "")
+            chunk.top_logprobs.append(top)
+    if first:
+        chunk.num_prompt_tokens = len(out.prompt_token_ids or [])
+        chunk.num_cached_tokens = out.num_cached_tokens or 0
+    if out.finished:
+        chunk.finish_reason = comp.finish_reason or "stop"
+        chunk.blocks_loaded = int((out.kv_transfer_params or {}).get("pool_blocks_loaded", 0))
+    return chunk
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else -9999.0
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, engine: Engine, instance_id: str, role: str) -> None:
+        self.engine = engine
+        self.instance_id = instance_id
+        self.role = role
+        self.prefills = 0
+        self.generates = 0
+        self.requests_total = 0
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
+        self._pool = None
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+                      ) -> worker_pb2.PrefillReply:
+        rid = request.request_id
+        log.info("prefill_start", request_id=rid, prompt_tokens=len(request.token_ids))
+        self.prefills += 1
+        try:
+            res = await self.engine.prefill(rid, list(request.token_ids), request.cache_salt)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except asyncio.CancelledError:
+            await self.engine.abort(rid)
+            raise
+        finally:
+            self.prefills -= 1
+        self._count(res.num_prompt_tokens, res.num_cached_tokens)
+        in_pool = await asyncio.to_thread(self._count_in_pool, res.block_keys)
+        log.info("prefill_done", request_id=rid, cached_tokens=res.num_cached_tokens,
+                 blocks_saved=res.blocks_saved, blocks_in_pool=in_pool,
+                 seconds=round(res.engine_seconds, 4))
+        return worker_pb2.PrefillReply(
+            num_prompt_tokens=res.num_prompt_tokens,
+            num_cached_tokens=res.num_cached_tokens,
+            blocks_saved=res.blocks_saved,
+            blocks_in_pool=in_pool,
+            engine_seconds=res.engine_seconds,
+        )
+
+    def _count_in_pool(self, keys: tuple[str, ...]) -> int:
+        """How many of the prompt's blocks the pool holds now (an independent check)."""
+        if not keys:
+            return 0
+        from store.pool import MooncakePool, PoolConfig, PoolError
+
+        c = self.engine.config
+        try:
+            if self._pool is None:
+                self._pool = MooncakePool(PoolConfig(master_addr=c.pool_master,
+                                                     metadata_url=c.pool_metadata,
+                                                     segment_bytes=0))
+            return sum(self._pool.exists(list(keys)))
+        except PoolError as e:
+            log.warning("pool_check_failed", error=str(e))
+            self._pool = None
+            return 0
+
+    async def Generate(self, request: worker_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.GenerateChunk]:
+        rid = request.request_id
+        try:
+            params = sampling_params(request.params)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        log.info("generate_start", request_id=rid, prompt_tokens=len(request.token_ids))
+        self.generates += 1
+        first = True
+        try:
+            async for out in self.engine.generate(rid, list(request.token_ids), params,
+                                                  request.cache_salt):
+                if first:
+                    self._count(len(request.token_ids), out.num_cached_tokens or 0)
+                yield _chunk(out, first)
+                first = False
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        finally:
+            self.generates -= 1
+            log.info("generate_end", request_id=rid)
+
+    async def Abort(self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
+                    ) -> worker_pb2.AbortReply:
+        await self.engine.abort(request.request_id)
+        return worker_pb2.AbortReply(found=True)
+
+    async def Stats(self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
+                    ) -> worker_pb2.WorkerStats:
+        return worker_pb2.WorkerStats(
+            instance_id=self.instance_id,
+            role=self.role,
+            running=self.engine.running(),
+            prefills_in_flight=self.prefills,
+            generates_in_flight=self.generates,
+            requests_total=self.requests_total,
+            prompt_tokens_total=self.prompt_tokens_total,
+            cached_tokens_total=self.cached_tokens_total,
+        )
+
+    def _count(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.requests_total += 1
+        self.prompt_tokens_total += prompt_tokens
+        self.cached_tokens_total += cached_tokens
