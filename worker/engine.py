@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import time
 from collections.abc import AsyncIterator
@@ -49,7 +48,12 @@ class Engine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from vllm.platforms import current_platform
+
         c = self.config
+        if current_platform.device_type != c.device:
+            raise RuntimeError(f"--device {c.device} but the installed vLLM build runs on "
+                               f"{current_platform.device_type}: install the matching extra")
         ktc = KVTransferConfig(
             kv_connector="PoolConnector",
             kv_connector_module_path="store.connector",
@@ -79,7 +83,7 @@ class Engine:
         log.info("engine_started", model=c.model, role=c.role, namespace=self.namespace)
 
     @property
-    def llm(self):  # noqa: ANN201 - vLLM's AsyncLLM, typed lazily
+    def llm(self):
         if self._llm is None:
             raise RuntimeError("engine not started")
         return self._llm
@@ -130,8 +134,3 @@ class Engine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
-
-
-def model_max_len(model: str) -> int:
-    cfg = json.loads(Path(model, "config.json").read_text())
-    return int(cfg.get("max_position_embeddings", 2048))

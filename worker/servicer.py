@@ -15,7 +15,7 @@ from worker.engine import Engine
 log = structlog.get_logger(__name__)
 
 
-def sampling_params(p: worker_pb2.SamplingParams):  # noqa: ANN201 - vllm.SamplingParams
+def sampling_params(p: worker_pb2.SamplingParams):
     """Wire sampling parameters to vLLM's. vLLM's own validation raises ValueError."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -38,7 +38,7 @@ def sampling_params(p: worker_pb2.SamplingParams):  # noqa: ANN201 - vllm.Sampli
     )
 
 
-def _chunk(out, first: bool) -> worker_pb2.GenerateChunk:  # noqa: ANN001 - RequestOutput
+def _chunk(out, first: bool) -> worker_pb2.GenerateChunk:
     comp = out.outputs[0]
     chunk = worker_pb2.GenerateChunk(token_ids=list(comp.token_ids), text=comp.text)
     if comp.logprobs:
@@ -114,13 +114,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                                      metadata_url=c.pool_metadata,
                                                      segment_bytes=0))
             return sum(self._pool.exists(list(keys)))
-        except PoolError as e:
+        except PoolError as e:  # construction failed: the master is down; retried next time
             log.warning("pool_check_failed", error=str(e))
-            self._pool = None
             return 0
 
-    async def Generate(self, request: worker_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.GenerateChunk]:
+    async def Generate(
+        self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.GenerateChunk]:
         rid = request.request_id
         try:
             params = sampling_params(request.params)

@@ -1,0 +1,273 @@
+"""Launch the Mooncake Store master (`mooncake_master`) on loopback, with its HTTP metadata server.
+
+One process serves three ports: the master RPC (`master_addr`), the transfer-engine metadata
+(`metadata_url`, replacing etcd) and the admin/metrics HTTP server (`/metrics`, `/health`).
+Readiness is the admin server's `/health` answering `"service_ready": true` with the RPC and
+metadata ports accepting connections.
+
+Surprise: `mooncake_master` 0.3.13 logs that the metadata server is "started on 127.0.0.1:P"
+when given `--http_metadata_server_host 127.0.0.1`, but the socket is bound to 0.0.0.0:P anyway.
+The RPC and metrics servers honour `--rpc_address` / `--metrics_host`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cluster.ports import free_port, wait_for_port
+from cluster.process import ManagedProcess
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+BINARY_NAME = "mooncake_master"
+
+
+def find_master_binary() -> str:
+    """`mooncake_master` next to the running interpreter (the venv's bin/), else on PATH."""
+    beside = Path(sys.executable).parent / BINARY_NAME
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which(BINARY_NAME)
+    if found is None:
+        raise FileNotFoundError(
+            f"{BINARY_NAME} not found next to {sys.executable} nor on PATH; "
+            "install mooncake-transfer-engine(-non-cuda)"
+        )
+    return found
+
+
+class StoreMaster:
+    """A supervised `mooncake_master`. Ports left `None` are picked free at the first start and
+    kept across `restart()`, so clients can keep their addresses.
+
+    Eviction: Mooncake evicts `eviction_ratio` of the objects (approximate LRU, in a background
+    thread) once usage passes `eviction_high_watermark_ratio`. `eviction_ratio=0.0` with
+    `eviction_high_watermark_ratio=1.0` disables eviction, which makes a full pool deterministic.
+    Objects read or probed within `kv_lease_ttl_ms` (exists/get grant a lease) are neither evicted
+    nor removable without force.
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        rpc_port: int | None = None,
+        http_port: int | None = None,
+        metrics_port: int | None = None,
+        eviction_high_watermark_ratio: float | None = None,
+        eviction_ratio: float | None = None,
+        kv_lease_ttl_ms: int | None = None,
+        client_ttl_s: int | None = None,
+        extra_args: Sequence[str] = (),
+        log_path: Path | str | None = None,
+        binary: str | None = None,
+        ready_timeout: float = 30.0,
+    ) -> None:
+        self.host = host
+        self._fixed_ports = (
+            rpc_port is not None or http_port is not None or metrics_port is not None
+        )
+        self.rpc_port = rpc_port or free_port(host)
+        self.http_port = http_port or free_port(host)
+        self.metrics_port = metrics_port or free_port(host)
+        self.eviction_high_watermark_ratio = eviction_high_watermark_ratio
+        self.eviction_ratio = eviction_ratio
+        self.kv_lease_ttl_ms = kv_lease_ttl_ms
+        self.client_ttl_s = client_ttl_s
+        self.extra_args = list(extra_args)
+        self.binary = binary or find_master_binary()
+        self.ready_timeout = ready_timeout
+        if log_path is None:
+            name = f"kvcluster-mooncake-master-{os.getpid()}-{self.rpc_port}.log"
+            log_path = Path(tempfile.gettempdir()) / name
+        self.log_path = Path(log_path)
+        self._proc: ManagedProcess | None = None
+
+    # -- addresses ------------------------------------------------------------------------------
+
+    @property
+    def master_addr(self) -> str:
+        return f"{self.host}:{self.rpc_port}"
+
+    @property
+    def metadata_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}/metadata"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None and self._proc.proc is not None else None
+
+    def argv(self) -> list[str]:
+        args = [
+            self.binary,
+            "--enable_http_metadata_server=true",
+            f"--http_metadata_server_host={self.host}",
+            f"--http_metadata_server_port={self.http_port}",
+            f"--rpc_address={self.host}",
+            f"--rpc_port={self.rpc_port}",
+            f"--metrics_host={self.host}",
+            f"--metrics_port={self.metrics_port}",
+            "--logtostderr=true",
+        ]
+        if self.eviction_high_watermark_ratio is not None:
+            args.append(f"--eviction_high_watermark_ratio={self.eviction_high_watermark_ratio}")
+        if self.eviction_ratio is not None:
+            args.append(f"--eviction_ratio={self.eviction_ratio}")
+        if self.kv_lease_ttl_ms is not None:
+            args.append(f"--default_kv_lease_ttl={self.kv_lease_ttl_ms}")
+        if self.client_ttl_s is not None:
+            args.append(f"--client_ttl={self.client_ttl_s}")
+        return args + self.extra_args
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> StoreMaster:
+        """Start and wait until ready. Auto-picked ports are re-picked once if the first start
+        loses a race for them; fixed ports are not."""
+        if self.alive():
+            return self
+        try:
+            self._start_once()
+        except RuntimeError:
+            if self._fixed_ports:
+                raise
+            self.rpc_port, self.http_port, self.metrics_port = (
+                free_port(self.host),
+                free_port(self.host),
+                free_port(self.host),
+            )
+            self._start_once()
+        return self
+
+    def _start_once(self) -> None:
+        proc = ManagedProcess(f"mooncake_master:{self.rpc_port}", self.argv(), self.log_path)
+        self._proc = proc.start()
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            if not proc.alive():
+                raise RuntimeError(
+                    f"mooncake_master exited with {proc.proc.returncode if proc.proc else None}"
+                    f" before ready; log {self.log_path}:\n{proc.tail()}"
+                )
+            if self._ready(deadline):
+                return
+            time.sleep(0.1)
+        proc.kill()
+        raise RuntimeError(
+            f"mooncake_master not ready within {self.ready_timeout}s; log {self.log_path}:\n"
+            f"{proc.tail()}"
+        )
+
+    def _ready(self, deadline: float) -> bool:
+        try:
+            url = f"http://{self.host}:{self.metrics_port}/health"
+            with urllib.request.urlopen(url, timeout=1.0) as resp:
+                if not json.loads(resp.read()).get("service_ready"):
+                    return False
+        except (OSError, ValueError):
+            return False
+        remaining = max(0.5, deadline - time.monotonic())
+        return wait_for_port(self.host, self.rpc_port, remaining) and wait_for_port(
+            self.host, self.http_port, remaining
+        )
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.alive()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (then SIGKILL after `timeout`). All objects in the pool are forgotten."""
+        if self._proc is not None:
+            self._proc.stop(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL, as in a crash."""
+        if self._proc is not None:
+            self._proc.kill()
+
+    def restart(self) -> StoreMaster:
+        """Stop and start again on the same ports (an empty pool; clients remount by themselves)."""
+        self.stop()
+        self._start_once()
+        return self
+
+    def tail(self, lines: int = 40) -> str:
+        return self._proc.tail(lines) if self._proc is not None else ""
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return (
+            f"StoreMaster(master_addr={self.master_addr!r}, metadata_url={self.metadata_url!r}, "
+            f"metrics_port={self.metrics_port}, alive={self.alive()})"
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run a master in the foreground until SIGINT/SIGTERM."""
+    p = argparse.ArgumentParser(prog="python -m store.master", description=__doc__.split("\n")[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--rpc-port", type=int, default=None)
+    p.add_argument("--http-port", type=int, default=None, help="HTTP metadata server port")
+    p.add_argument("--metrics-port", type=int, default=None)
+    p.add_argument("--eviction-high-watermark-ratio", type=float, default=None)
+    p.add_argument("--eviction-ratio", type=float, default=None)
+    p.add_argument("--kv-lease-ttl-ms", type=int, default=None)
+    p.add_argument("--client-ttl-s", type=int, default=None)
+    p.add_argument("--log", default="run/store_master.log")
+    args, extra = p.parse_known_args(argv)
+    master = StoreMaster(
+        host=args.host,
+        rpc_port=args.rpc_port,
+        http_port=args.http_port,
+        metrics_port=args.metrics_port,
+        eviction_high_watermark_ratio=args.eviction_high_watermark_ratio,
+        eviction_ratio=args.eviction_ratio,
+        kv_lease_ttl_ms=args.kv_lease_ttl_ms,
+        client_ttl_s=args.client_ttl_s,
+        extra_args=extra,
+        log_path=args.log,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    master.start()
+    print(
+        f"KVCLUSTER_POOL_MASTER_ADDR={master.master_addr}\n"
+        f"KVCLUSTER_POOL_METADATA_URL={master.metadata_url}\n"
+        f"# metrics {master.metrics_url}, pid {master.pid}, log {master.log_path}",
+        flush=True,
+    )
+    try:
+        while not stop.wait(0.5):
+            if not master.alive():
+                print(f"mooncake_master died; log tail:\n{master.tail()}", flush=True)
+                return 1
+    finally:
+        master.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""`make run`'s command: serves, answers curl-style requests, and Ctrl-C leaves no process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from cluster.ports import free_port
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_launcher_serves_and_ctrl_c_leaves_nothing(model_dir, tmp_path):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "conductor.launcher", "--model", model_dir, "--port", str(port),
+         "--run-dir", str(tmp_path / "run")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen: set[int] = set()
+    try:
+        deadline = time.monotonic() + 300
+        lines = []
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if "Ctrl-C stops every process" in line:
+                break
+            assert time.monotonic() < deadline, "".join(lines[-30:])
+        assert proc.poll() is None, "".join(lines[-30:])
+        printed = "".join(lines)
+        assert f"curl http://127.0.0.1:{port}/v1/completions" in printed
+
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"]
+
+        seen = _descendants(proc.pid)
+        assert len(seen) >= 4  # etcd, master, two workers, conductor (and engine cores)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=90) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(os.getpgid(proc.pid), signal.SIGKILL)
+            proc.wait()
+    time.sleep(0.5)
+    left = [p for p in seen if _alive(p)]
+    assert not left, f"processes left behind: {left}"
