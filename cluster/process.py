@@ -1,27 +1,27 @@
 """Child processes of the launcher and the tests, each in its own process group.
 
-A child gets `PR_SET_PDEATHSIG(SIGKILL)` so that it dies with its parent, and is started as a
-session leader so that `stop()`/`kill()` reach its own children too (vLLM's engine core).
+A child is started as a session leader so that `stop()`/`kill()` reach its own children too
+(vLLM's engine core), and through `setpriv --pdeathsig KILL` so that it dies with its parent.
+No `preexec_fn`: that forces a real fork(), and gRPC's fork handlers then abort children
+of a process with RPCs in flight.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-_PR_SET_PDEATHSIG = 1
+_SETPRIV = shutil.which("setpriv")
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
+def _die_with_parent(argv: list[str]) -> list[str]:
+    """argv wrapped so that the child gets SIGKILL when its parent dies (where setpriv exists)."""
+    return [_SETPRIV, "--pdeathsig", "KILL", "--", *argv] if _SETPRIV else argv
 
 
 class ManagedProcess:
@@ -46,14 +46,13 @@ class ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab", buffering=0)
         self.proc = subprocess.Popen(
-            self.argv,
+            _die_with_parent(self.argv),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=self.env,
             cwd=self.cwd,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
         )
         log.close()
         return self

@@ -173,8 +173,9 @@ class Pipeline:
             while True:
                 wait = self.config.first_token_timeout_s if first else None
                 try:
-                    chunk = await asyncio.wait_for(call.read(), timeout=wait)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(wait):
+                        chunk = await call.read()
+                except TimeoutError:
                     raise Timeout("no first token from the decode instance in time",
                                   code="first_token_timeout") from None
                 if chunk is grpc.aio.EOF:

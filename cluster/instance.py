@@ -1,0 +1,80 @@
+"""What a worker announces about itself in the membership registry."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLES = ("prefill", "decode", "both")
+
+
+@dataclass(frozen=True)
+class InstanceInfo:
+    """One worker instance. Encoded as a JSON object with exactly these fields, no more or less.
+
+    Invalid values raise ValueError (TypeError for a wrong type; `from_json` turns both into
+    ValueError).
+    """
+
+    instance_id: str
+    role: str  # "prefill" | "decode" | "both"
+    address: str  # host:port of the worker's gRPC server
+    model: str
+    block_size: int  # tokens per KV block
+    capacity_tokens: int  # KV-cache capacity, in tokens
+    version: str
+    started_at: float = field(default_factory=time.time)  # Unix time
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, not {self.role!r}")
+        for name in ("instance_id", "address", "model", "version"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name} must be a string, not {getattr(self, name)!r}")
+        if not self.instance_id or "/" in self.instance_id:
+            raise ValueError(f"instance_id must be non-empty without '/': {self.instance_id!r}")
+        host, sep, port = self.address.rpartition(":")
+        if not (sep and host and port.isdigit()):
+            raise ValueError(f"address must be host:port, not {self.address!r}")
+        for name in ("block_size", "capacity_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, not {value!r}")
+            if value < 0:
+                raise ValueError(f"{name} must be non-negative, not {value!r}")
+        if self.block_size == 0:
+            raise ValueError("block_size must be positive")
+        if not isinstance(self.started_at, (int, float)) or isinstance(self.started_at, bool):
+            raise TypeError(f"started_at must be a number, not {self.started_at!r}")
+        object.__setattr__(self, "started_at", float(self.started_at))
+
+    @property
+    def can_prefill(self) -> bool:
+        return self.role in ("prefill", "both")
+
+    @property
+    def can_decode(self) -> bool:
+        return self.role in ("decode", "both")
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> InstanceInfo:
+        """Decode; ValueError on bad JSON, unknown or missing keys, or invalid values."""
+        obj: Any = json.loads(data)
+        if not isinstance(obj, dict):
+            raise ValueError(f"InstanceInfo JSON must be an object, not {type(obj).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown, missing = set(obj) - names, names - set(obj)
+        if unknown or missing:
+            raise ValueError(
+                f"InstanceInfo JSON: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}"
+            )
+        try:
+            return cls(**obj)
+        except TypeError as e:
+            raise ValueError(f"InstanceInfo JSON: {e}") from e

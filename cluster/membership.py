@@ -1,0 +1,495 @@
+"""Worker membership in etcd: a worker's leased registration, and a live view of all workers.
+
+Each worker holds `<prefix><instance_id>` -> `InstanceInfo` JSON attached to its own lease, so a
+worker that dies without deregistering disappears `ttl` seconds after its last keep-alive (the
+watcher sees a DELETE). Both sides ride out etcd outages: the registration retries and, once etcd
+answers again, re-registers on a fresh lease; the watcher keeps serving the last membership it
+saw and re-snapshots on reconnect. Every etcd call is bounded by `rpc_timeout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import random
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import aetcd
+import grpc
+import structlog
+
+from cluster.instance import InstanceInfo
+
+if TYPE_CHECKING:
+    from typing import Self
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_PREFIX = "/kvcluster/instances/"
+
+# gRPC's default reconnect backoff grows to 120 s: keep it short so that etcd coming back is
+# noticed within a second or two. (We also replace the client after any failure.)
+_GRPC_OPTIONS = {
+    "grpc.initial_reconnect_backoff_ms": 200,
+    "grpc.min_reconnect_backoff_ms": 200,
+    "grpc.max_reconnect_backoff_ms": 2000,
+}
+
+# What "etcd is unreachable or misbehaving" looks like through aetcd.
+_ETCD_ERRORS = (aetcd.ClientError, grpc.RpcError, asyncio.TimeoutError, OSError, ConnectionError)
+
+MembersCallback = Callable[[dict[str, InstanceInfo]], Awaitable[None] | None]
+
+
+async def _bounded(aw: Awaitable[Any], timeout: float) -> Any:
+    """`await aw` for at most `timeout` seconds (TimeoutError after).
+
+    Not `asyncio.wait_for`: before Python 3.12 it returns the result, swallowing the caller's
+    cancellation, when both happen together; a cancelled background task then runs on.
+    """
+    if hasattr(asyncio, "timeout"):  # Python >= 3.11
+        async with asyncio.timeout(timeout):
+            return await aw
+    return await asyncio.wait_for(aw, timeout)
+
+
+def _split_endpoint(endpoint: str) -> tuple[str, int]:
+    hostport = endpoint.split("://", 1)[-1].rstrip("/")
+    host, sep, port = hostport.rpartition(":")
+    if not (sep and host and port.isdigit()):
+        raise ValueError(f"etcd endpoint must be host:port, not {endpoint!r}")
+    return host, int(port)
+
+
+def _new_client(endpoint: str, rpc_timeout: float) -> aetcd.Client:
+    host, port = _split_endpoint(endpoint)
+    return aetcd.Client(host=host, port=port, timeout=rpc_timeout, options=dict(_GRPC_OPTIONS))
+
+
+async def _close_client(client: aetcd.Client | None, timeout: float) -> None:
+    if client is None:
+        return
+    try:
+        await _bounded(client.close(), timeout)
+    except Exception as e:  # closing is best-effort
+        log.debug("etcd_client_close_failed", error=repr(e))
+
+
+class _Backoff:
+    def __init__(self, first: float = 0.1, cap: float = 1.0) -> None:
+        self.first, self.cap = first, cap
+        self._next = first
+
+    def reset(self) -> None:
+        self._next = self.first
+
+    def next(self) -> float:
+        delay, self._next = self._next, min(self.cap, self._next * 2)
+        return delay * random.uniform(0.8, 1.2)
+
+
+class _EtcdUser:
+    """Shared plumbing: one replaceable client, calls bounded in time, one background task."""
+
+    def __init__(self, endpoint: str, prefix: str, rpc_timeout: float) -> None:
+        _split_endpoint(endpoint)  # fail early on a malformed endpoint
+        self.endpoint = endpoint
+        self.prefix = prefix
+        self.rpc_timeout = rpc_timeout
+        self._client: aetcd.Client | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def _conn(self) -> aetcd.Client:
+        if self._client is None:
+            self._client = _new_client(self.endpoint, self.rpc_timeout)
+        return self._client
+
+    async def _call(self, coro: Awaitable[Any]) -> Any:
+        # gRPC's own deadline (rpc_timeout) normally fires first; this is the backstop.
+        return await _bounded(coro, self.rpc_timeout + 0.5)
+
+    async def _drop_client(self) -> None:
+        client, self._client = self._client, None
+        await _close_client(client, self.rpc_timeout)
+
+    async def _cancel_task(self) -> None:
+        task, self._task = self._task, None
+        if task is None:
+            return
+        while not task.done():  # insist: a cancellation can be swallowed (see `_bounded`)
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.1)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background_task_failed", task=task.get_name(), error=repr(task.exception()))
+
+
+class Registration(_EtcdUser):
+    """Keeps `info` registered under `<prefix><instance_id>` on a lease of `ttl` seconds.
+
+    The lease is refreshed every ttl/3. When etcd can't be reached the registration retries with
+    backoff; once it can, it grants a fresh lease, re-puts the key and revokes the old lease
+    best-effort (after the key has moved, so the key itself never blinks). The same happens at
+    once if a refresh finds the lease expired. etcd enforces a minimum TTL (2 s by default);
+    the refresh period follows the TTL etcd actually granted.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        info: InstanceInfo,
+        *,
+        ttl: int = 5,
+        prefix: str = DEFAULT_PREFIX,
+        rpc_timeout: float = 2.0,
+        max_backoff: float = 1.0,
+    ) -> None:
+        super().__init__(endpoint, prefix, rpc_timeout)
+        self.info = info
+        self.ttl = ttl
+        self.key = f"{prefix}{info.instance_id}"
+        self._value = info.to_json()
+        self._refresh_interval = ttl / 3
+        self._max_backoff = max_backoff
+        self._lease_id: int | None = None
+        self._pending_lease: int | None = None  # granted, not yet known to hold the key
+        self._registered = False
+        self._first_registration = asyncio.Event()
+
+    @property
+    def registered(self) -> bool:
+        """True while the last exchange with etcd confirmed that our lease and key are live."""
+        return self._registered
+
+    @property
+    def lease_id(self) -> int | None:
+        return self._lease_id
+
+    async def start(self, timeout: float | None = 10.0) -> None:
+        """Register and start the keep-alive. Waits up to `timeout` for the first registration
+        (raising TimeoutError and stopping if it does not happen); `None` does not wait."""
+        if self._task is not None:
+            raise RuntimeError(f"registration {self.key} already started")
+        self._task = asyncio.create_task(self._run(), name=f"etcd-registration:{self.key}")
+        if timeout is None:
+            return
+        try:
+            await _bounded(self._first_registration.wait(), timeout)
+        except TimeoutError:
+            await self.abandon()
+            raise TimeoutError(
+                f"could not register {self.key} at etcd {self.endpoint} within {timeout}s"
+            ) from None
+
+    async def stop(self, timeout: float | None = None) -> None:
+        """Deregister: stop the keep-alive and revoke the lease, which deletes the key.
+
+        Bounded by `timeout` (default: rpc_timeout); if etcd is unreachable the key is left to
+        expire with its lease after ttl seconds.
+        """
+        await self._cancel_task()
+        leases = {lease for lease in (self._lease_id, self._pending_lease) if lease is not None}
+        self._lease_id = self._pending_lease = None
+        self._registered = False
+        if leases:
+            client = self._conn()
+            try:
+                await _bounded(
+                    asyncio.gather(*(client.revoke_lease(lease) for lease in leases)),
+                    self.rpc_timeout if timeout is None else timeout,
+                )
+                log.info("deregistered", key=self.key)
+            except _ETCD_ERRORS as e:
+                log.warning("deregister_failed", key=self.key, error=repr(e), expires_in=self.ttl)
+        await self._drop_client()
+
+    async def close(self) -> None:
+        """Same as `stop()`."""
+        await self.stop()
+
+    async def abandon(self) -> None:
+        """Stop the keep-alive without revoking, as a crash would: the key expires after ttl."""
+        await self._cancel_task()
+        self._registered = False
+        await self._drop_client()
+        log.info("registration_abandoned", key=self.key, lease=self._lease_id)
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def _run(self) -> None:
+        backoff = _Backoff(cap=self._max_backoff)
+        while True:
+            try:
+                if not self._registered:
+                    await self._register()
+                    backoff.reset()
+                await asyncio.sleep(self._refresh_interval)
+                if not await self._refresh():
+                    log.warning("lease_expired", key=self.key, lease=self._lease_id)
+                    self._registered = False  # re-register right away
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                if self._registered:
+                    log.warning("etcd_unreachable", key=self.key, error=repr(e), retrying=True)
+                elif not isinstance(e, _ETCD_ERRORS):
+                    log.exception("registration_error", key=self.key)
+                else:
+                    log.debug("registration_retry", key=self.key, error=repr(e))
+                self._registered = False
+                await self._drop_client()
+                await asyncio.sleep(backoff.next())
+
+    async def _register(self) -> None:
+        client = self._conn()
+        lease = await self._call(client.lease(self.ttl))
+        self._pending_lease = lease.id
+        try:
+            await self._call(client.put(self.key.encode(), self._value, lease=lease.id))
+        except Exception:
+            self._pending_lease = None
+            await self._revoke_quietly(lease.id)  # holds no key; would expire anyway
+            raise
+        old, self._lease_id, self._pending_lease = self._lease_id, lease.id, None
+        self._registered = True
+        self._refresh_interval = max(lease.ttl, 1) / 3
+        self._first_registration.set()
+        log.info("registered", key=self.key, lease=lease.id, ttl=lease.ttl, replaced=old)
+        if old is not None and old != lease.id:
+            await self._revoke_quietly(old)  # the key moved to the new lease already
+
+    async def _refresh(self) -> bool:
+        """Keep-alive once; False if etcd says the lease no longer exists (TTL 0)."""
+        assert self._lease_id is not None
+        reply = await self._call(self._conn().refresh_lease(self._lease_id))
+        return reply is not None and reply.TTL > 0
+
+    async def _revoke_quietly(self, lease_id: int) -> None:
+        try:
+            await self._call(self._conn().revoke_lease(lease_id))
+        except _ETCD_ERRORS as e:
+            log.debug("revoke_failed", key=self.key, lease=lease_id, error=repr(e))
+
+
+class MembershipWatcher(_EtcdUser):
+    """A live `instance_id -> InstanceInfo` map of everything registered under `prefix`.
+
+    Follows etcd with a prefix snapshot, then a watch from the snapshot's revision + 1, and
+    probes etcd every `probe_interval` (a hung etcd does not break a watch stream). When etcd
+    is unreachable the last membership is kept (`synced` turns False) and reconnection is
+    retried with backoff; on reconnect the snapshot replaces the map, so members that vanished
+    meanwhile are removed. Malformed entries are logged and ignored.
+
+    `on_change(members)` (sync or async) gets a copy of the map after every change; it runs in
+    the watcher's task, so it should be quick. Its errors are logged, not raised.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        on_change: MembersCallback | None = None,
+        rpc_timeout: float = 2.0,
+        probe_interval: float = 2.0,
+        max_backoff: float = 1.0,
+    ) -> None:
+        super().__init__(endpoint, prefix, rpc_timeout)
+        self._prefix_bytes = prefix.encode()
+        self._on_change = on_change
+        self._probe_interval = probe_interval
+        self._max_backoff = max_backoff
+        self._members: dict[str, InstanceInfo] = {}
+        self._revision = 0
+        self._synced = False
+        self._first_sync = asyncio.Event()
+        self._changed = asyncio.Condition()
+
+    def members(self) -> dict[str, InstanceInfo]:
+        """A copy of the current membership."""
+        return dict(self._members)
+
+    def get(self, instance_id: str) -> InstanceInfo | None:
+        return self._members.get(instance_id)
+
+    @property
+    def synced(self) -> bool:
+        """True while following etcd live; False before the first snapshot and during outages."""
+        return self._synced
+
+    @property
+    def revision(self) -> int:
+        """The etcd revision the membership reflects."""
+        return self._revision
+
+    async def start(self, timeout: float | None = 10.0) -> None:
+        """Start following. Waits up to `timeout` for the first snapshot (raising TimeoutError
+        and closing if there is none); `None` does not wait."""
+        if self._task is not None:
+            raise RuntimeError("membership watcher already started")
+        self._task = asyncio.create_task(self._run(), name=f"etcd-membership:{self.prefix}")
+        if timeout is None:
+            return
+        try:
+            await _bounded(self._first_sync.wait(), timeout)
+        except TimeoutError:
+            await self.close()
+            raise TimeoutError(
+                f"no membership snapshot from etcd {self.endpoint} within {timeout}s"
+            ) from None
+
+    async def wait_for(
+        self, predicate: Callable[[dict[str, InstanceInfo]], bool], timeout: float
+    ) -> bool:
+        """Wait until `predicate(members)` holds; False if it still doesn't after `timeout`."""
+        async with self._changed:
+            try:
+                await _bounded(self._changed.wait_for(lambda: predicate(self.members())), timeout)
+                return True
+            except TimeoutError:
+                return False
+
+    async def close(self) -> None:
+        """Stop following (the last membership stays readable)."""
+        await self._cancel_task()
+        self._synced = False
+        await self._drop_client()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _run(self) -> None:
+        backoff = _Backoff(cap=self._max_backoff)
+        while True:
+            try:
+                await self._follow(backoff)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                if self._synced:
+                    log.warning(
+                        "etcd_unreachable",
+                        prefix=self.prefix,
+                        error=repr(e),
+                        keeping_members=len(self._members),
+                    )
+                elif not isinstance(e, _ETCD_ERRORS):
+                    log.exception("membership_watch_error", prefix=self.prefix)
+                else:
+                    log.debug("membership_retry", prefix=self.prefix, error=repr(e))
+            finally:
+                self._synced = False
+                await self._drop_client()
+            await asyncio.sleep(backoff.next())
+
+    async def _follow(self, backoff: _Backoff) -> None:
+        """One connection's life: snapshot, watch, probe; returns only by raising."""
+        client = self._conn()
+        snapshot = await self._call(client.get_prefix(self._prefix_bytes))
+        members: dict[str, InstanceInfo] = {}
+        for kv in snapshot:
+            item = self._decode(kv.key, kv.value)
+            if item is not None:
+                members[item.instance_id] = item
+        self._revision = snapshot.header.revision
+        await self._replace(members)
+        watch = await self._call(
+            client.watch_prefix(self._prefix_bytes, start_revision=self._revision + 1)
+        )
+        self._synced = True
+        self._first_sync.set()
+        backoff.reset()
+        log.info(
+            "membership_synced",
+            prefix=self.prefix,
+            members=sorted(self._members),
+            revision=self._revision,
+        )
+        consumer = asyncio.create_task(self._consume(watch))
+        try:
+            while True:
+                done, _ = await asyncio.wait({consumer}, timeout=self._probe_interval)
+                if done:
+                    consumer.result()  # re-raises the stream's error
+                    raise ConnectionError("etcd watch stream ended")
+                await self._call(client.get(self._prefix_bytes))
+        finally:
+            consumer.cancel()
+            await asyncio.gather(consumer, return_exceptions=True)
+
+    async def _consume(self, watch: aetcd.Watch) -> None:
+        async for event in watch:
+            instance_id = event.kv.key[len(self._prefix_bytes) :].decode(errors="replace")
+            if event.kind == aetcd.EventKind.PUT:
+                item = self._decode(event.kv.key, event.kv.value)
+            else:
+                item = None
+            self._revision = max(self._revision, event.kv.mod_revision)
+            before = self._members.get(instance_id)
+            if item is not None:
+                self._members[instance_id] = item
+            else:
+                self._members.pop(instance_id, None)
+            if item != before:
+                self._log_change(instance_id, before, item)
+                await self._notify()
+
+    async def _replace(self, members: dict[str, InstanceInfo]) -> None:
+        if members == self._members:
+            return
+        old, self._members = self._members, members
+        for instance_id in sorted(set(old) | set(members)):
+            if old.get(instance_id) != members.get(instance_id):
+                self._log_change(instance_id, old.get(instance_id), members.get(instance_id))
+        await self._notify()
+
+    def _decode(self, key: bytes, value: bytes) -> InstanceInfo | None:
+        instance_id = key[len(self._prefix_bytes) :].decode(errors="replace")
+        try:
+            info = InstanceInfo.from_json(value)
+        except ValueError as e:
+            log.warning("member_invalid", key=key.decode(errors="replace"), error=str(e))
+            return None
+        if info.instance_id != instance_id:
+            log.warning(
+                "member_key_mismatch",
+                key=key.decode(errors="replace"),
+                instance_id=info.instance_id,
+            )
+            return None
+        return info
+
+    def _log_change(
+        self, instance_id: str, before: InstanceInfo | None, after: InstanceInfo | None
+    ) -> None:
+        if after is None:
+            log.info("member_removed", instance_id=instance_id)
+        elif before is None:
+            log.info(
+                "member_added", instance_id=instance_id, role=after.role, address=after.address
+            )
+        else:
+            log.info(
+                "member_updated", instance_id=instance_id, role=after.role, address=after.address
+            )
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+        if self._on_change is None:
+            return
+        try:
+            result = self._on_change(self.members())
+            if inspect.isawaitable(result):
+                await result
+        except Exception:
+            log.exception("membership_callback_failed", prefix=self.prefix)
