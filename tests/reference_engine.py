@@ -1,6 +1,7 @@
 """A standalone vLLM engine, no connector, no disaggregation: the reference the cluster's output
 must equal. Reads {"model", "block_size", "max_model_len", "dtype", "prompts": [[ids...]],
-"max_tokens"} as JSON on stdin; writes [{"token_ids", "logprobs"}] on the stdout line starting "RESULT "."""
+"max_tokens"} as JSON on stdin; writes [{"token_ids", "logprobs"}] on the stdout line that
+starts with "RESULT " (vLLM logs to stdout too)."""
 
 from __future__ import annotations
 
@@ -17,14 +18,16 @@ def main() -> None:
     llm = LLM(model=job["model"], block_size=job["block_size"], dtype=job["dtype"],
               max_model_len=job["max_model_len"], enforce_eager=True,
               kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False)
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], logprobs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], logprobs=1,
+                            ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], params)
     result = []
     for out in outs:
         comp = out.outputs[0]
         result.append({
             "token_ids": list(comp.token_ids),
-            "logprobs": [lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs)],
+            "logprobs": [lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs,
+                                                                 strict=True)],
         })
     print("RESULT " + json.dumps(result), flush=True)
 

@@ -12,8 +12,8 @@ import grpc
 import httpx
 import pytest
 import torch
-
 from conftest import BLOCK_SIZE, DTYPE, LEASE_TTL, MAX_TOKENS
+
 from protos import worker_pb2, worker_pb2_grpc
 from store.block_hash import block_hashes, block_key
 from store.pool import MooncakePool, PoolConfig
@@ -44,6 +44,7 @@ def test_request_through_the_cluster_equals_a_single_engine(cluster, prompt_ids,
     loadable = (len(prompt) - 1) // BLOCK_SIZE  # the block holding the last token is computed
     r = httpx.post(f"{cluster.url}/v1/completions", timeout=120, json={
         "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
+        "ignore_eos": True,
         "return_token_ids": True})
     assert r.status_code == 200, r.text
     body = r.json()
@@ -74,7 +75,8 @@ def _prefill_then_decode(cluster, request_id: str, prompt: list[int], between=No
                             timeout=60)
     if between is not None:
         between()
-    params = worker_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1)
+    params = worker_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1,
+                                       ignore_eos=True)
     ids: list[int] = []
     lps: list[float] = []
     first = None
@@ -88,7 +90,7 @@ def _prefill_then_decode(cluster, request_id: str, prompt: list[int], between=No
 
 
 @pytest.fixture
-def pool_client(cluster):  # noqa: ANN201
+def pool_client(cluster):
     pool = MooncakePool(PoolConfig(master_addr=cluster.master.master_addr,
                                    metadata_url=cluster.master.metadata_url,
                                    segment_bytes=0))
