@@ -13,7 +13,7 @@ PORT    ?= 8000
 MODEL   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install sysdeps run test lint model clean
+.PHONY: install sysdeps run test lint model clean bench bench-sched
 
 install: $(STAMP)
 
@@ -31,7 +31,7 @@ sysdeps:
 	fi
 
 $(STAMP): pyproject.toml | $(PY) sysdeps
-	$(PIP) install -e '.[$(EXTRA),test]'
+	$(PIP) install -e '.[$(EXTRA),test,bench]'
 ifeq ($(EXTRA),cpu)
 	@# PyPI's torchvision/torchaudio/torchcodec are built for the CUDA torch and break
 	@# `transformers` beside the CPU torch; text serving needs none of them.
@@ -51,6 +51,19 @@ test: install
 
 lint: install
 	$(VENV)/bin/ruff check .
+
+# The scheduler's decision latency at 64x64 instances and a 1M-block index (last line: summary).
+bench-sched: install
+	$(PY) -m benchmarks.bench_sched
+
+bench: bench-sched
+
+# The cluster simulator: every policy over a trace, plus load/capacity/reuse sweeps into
+# docs/sim/ (last line: summary). Runs no engine.
+TRACE   ?= ../shared/traces/mooncake_synthetic_trace.jsonl
+.PHONY: bench-sim
+bench-sim: install
+	$(PY) -m simulator --trace $(TRACE) --out docs/sim
 
 clean:
 	rm -rf $(VENV) run .pytest_cache protos/*_pb2*.py protos/*_pb2.pyi

@@ -1,37 +1,86 @@
-"""The OpenAI-compatible HTTP endpoint (FastAPI on uvicorn with uvloop)."""
+"""The OpenAI-compatible HTTP endpoint (FastAPI on uvicorn with uvloop).
+
+One request: parse and validate (`protocol`), tokenize (`chat` renders a conversation first),
+set the sampling (`sampling`), then the pipeline routes, prefills and decodes, and `response`
+shapes the deltas as JSON or SSE. Errors before the first token are HTTP errors; after it they
+are SSE error events. A client that goes away cancels the pipeline, whose worker RPCs abort
+their engine requests on both instances.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager, suppress
+from typing import Any, Protocol, TypeVar
 
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
+from cluster.instance import InstanceInfo
 from cluster.membership import MembershipWatcher
+from conductor import openapi
+from conductor.auth import ApiKeyMiddleware
+from conductor.chat import ChatTemplate
 from conductor.config import ConductorConfig
-from conductor.errors import ConductorError, InvalidRequest, ModelNotFound, error_body, mapping
-from conductor.pipeline import Delta, Outcome, Pipeline, Prepared
-from conductor.protocol import CompletionRequest, parse_completion
+from conductor.errors import (
+    ConductorError,
+    InvalidRequest,
+    ModelNotFound,
+    error_body,
+    error_payload,
+    http_status,
+)
+from conductor.metrics import CLIENT_CLOSED, CONTENT_TYPE, Metrics, RequestTimer
+from conductor.pipeline import Delta, Outcome, Pipeline
+from conductor.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    parse_chat,
+    parse_completion,
+)
 from conductor.registry import Registry
+from conductor.response import ResponseSpec, collect, stream
+from conductor.sampling import ModelDefaults, sampling
 from conductor.tokenizer import Tokenizer
+from protos import worker_pb2
 
 log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+
+class Membership(Protocol):
+    """Where the instances come from: etcd in production (`MembershipWatcher`), a fixed set
+    in tests."""
+
+    async def start(self) -> None: ...
+    async def close(self) -> None: ...
+    def members(self) -> dict[str, InstanceInfo]: ...
 
 
 class Conductor:
     """Everything the endpoint needs, started and stopped with the app."""
 
-    def __init__(self, config: ConductorConfig) -> None:
+    def __init__(self, config: ConductorConfig,
+                 membership: Callable[[Callable], Membership] | None = None) -> None:
         self.config = config
         self.registry = Registry()
         self.tokenizer = Tokenizer(config.model)
+        self.chat_template = ChatTemplate(self.tokenizer.hf)
+        self.defaults = ModelDefaults.load(config.model)
         self.pipeline = Pipeline(config, self.registry, self.tokenizer)
-        self.watcher = MembershipWatcher(config.etcd, prefix=config.membership_prefix,
-                                         on_change=self._on_members)
+        self.metrics = Metrics(lambda: self.registry.snapshot().instances)
+        make = membership or (lambda on_change: MembershipWatcher(
+            config.etcd, prefix=config.membership_prefix, on_change=on_change))
+        self.watcher = make(self._on_members)
         self.started = int(time.time())
 
     async def _on_members(self, members: dict) -> None:
@@ -53,27 +102,209 @@ class Conductor:
             return False, "no decode-capable instance is up"
         return True, "ok"
 
+    # ---------------------------------------------------------------- one request
 
-def create_app(config: ConductorConfig) -> FastAPI:
-    conductor = Conductor(config)
+    async def serve(self, request: Request, chat: bool) -> Response:
+        timer = self.metrics.timer("chat" if chat else "completions")
+        try:
+            return await self._serve(request, chat, timer)
+        except ConductorError as err:
+            status = http_status(err)
+            if status in (429, 503):
+                self.metrics.reject(err.code or str(status))
+            timer.finish(status)
+            raise
+        except asyncio.CancelledError:
+            timer.finish(CLIENT_CLOSED)
+            raise
+        except Exception:
+            timer.finish(500)
+            raise
+
+    async def _serve(self, request: Request, chat: bool, timer: RequestTimer) -> Response:
+        body = _json_body(await request.body())
+        req: GenerationRequest = parse_chat(body) if chat else parse_completion(body)
+        if req.model and req.model != self.config.served_model_name:
+            raise ModelNotFound(f"The model `{req.model}` does not exist. Valid aliases: "
+                                f"{self.config.served_model_name}.", param="model")
+        base = request.headers.get("x-request-id") or req.request_id or uuid.uuid4().hex
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{base}"
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        spec, token_ids, params = self._plan(req, request_id)
+        prep = self.pipeline.prepare(request_id, token_ids, params, req.cache_salt or "")
+        outcome = Outcome()
+        deltas = self.pipeline.run(prep, outcome)
+        headers = {"X-Request-Id": request_id}
+        # Until the response starts, a disconnect is only noticed by listening for it.
+        if not req.stream:
+            body = await _unless_disconnected(request, self._collect(spec, outcome, deltas, timer))
+            if body is _GONE:
+                timer.finish(CLIENT_CLOSED)
+                return _closed()
+            return JSONResponse(body, headers=headers)
+        first = await _unless_disconnected(request, anext(deltas, None))
+        if first is _GONE:
+            await deltas.aclose()
+            timer.finish(CLIENT_CLOSED)
+            return _closed()
+        if first is not None:
+            timer.tokens(len(first.token_ids))
+        return SSEResponse(stream(spec, outcome, first, self._observed(deltas, outcome, timer)),
+                           headers=headers)
+
+    async def _collect(self, spec: ResponseSpec, outcome: Outcome,
+                       deltas: AsyncIterator[Delta], timer: RequestTimer) -> dict:
+        return await collect(spec, outcome, None, self._observed(deltas, outcome, timer))
+
+    def _plan(self, req: GenerationRequest, request_id: str
+              ) -> tuple[ResponseSpec, list[int], worker_pb2.SamplingParams]:
+        tok = self.tokenizer
+        echo_text: str | None = None
+        role = "assistant"
+        if isinstance(req, ChatCompletionRequest):
+            token_ids = tok.encode_text(self.chat_template.render(req), req.add_special_tokens)
+            if not req.add_generation_prompt and req.messages:
+                role = req.messages[-1].role
+            if req.echo and req.messages and req.messages[-1].role == role:
+                echo_text = req.messages[-1].text() or None
+        else:
+            assert isinstance(req, CompletionRequest)
+            token_ids = tok.encode_prompt(req.prompt, req.add_special_tokens)
+            if req.echo:
+                echo_text = req.prompt if isinstance(req.prompt, str) else tok.decode(token_ids)
+        s = sampling(req, len(token_ids), tok.max_model_len, tok.vocab_size, self.defaults)
+        k = req.num_logprobs()
+        opts = req.stream_options
+        completion_echo = echo_text is not None and isinstance(req, CompletionRequest)
+        spec = ResponseSpec(
+            chat=isinstance(req, ChatCompletionRequest), request_id=request_id,
+            model=self.config.served_model_name, created=int(time.time()), n=req.n or 1,
+            logprobs=k, echo_text=echo_text,
+            echo_ids=token_ids if completion_echo else None,
+            echo_first_token=tok.decode(token_ids[:1]) if completion_echo and k is not None
+            else "",
+            echo_only=s.echo_only, return_token_ids=bool(req.return_token_ids),
+            prompt_token_ids=token_ids,
+            include_usage=bool(opts and opts.include_usage),
+            continuous_usage=bool(opts and opts.include_usage and opts.continuous_usage_stats),
+            role=role)
+        return spec, token_ids, s.params
+
+    async def _observed(self, deltas: AsyncIterator[Delta], outcome: Outcome,
+                        timer: RequestTimer) -> AsyncIterator[Delta]:
+        """The deltas, timed; the request is counted when they end, however they end."""
+        status: int | str = CLIENT_CLOSED
+        try:
+            async for d in deltas:
+                timer.tokens(len(d.token_ids))
+                yield d
+            status = 200
+            self.metrics.cache_hit(outcome.prompt_tokens, outcome.cached_tokens,
+                                   outcome.blocks_loaded * self._block_size())
+        except ConductorError as err:
+            status = http_status(err)
+            raise
+        finally:
+            timer.finish(status)
+            await deltas.aclose()
+
+    def _block_size(self) -> int:
+        try:
+            return self.pipeline.block_size()
+        except ConductorError:
+            return 0
+
+
+class SSEResponse(StreamingResponse):
+    """`text/event-stream` whose generator is closed as soon as the response ends, so a
+    client that went away aborts the request now rather than when the generator is
+    collected."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[union-attr]
+
+
+_GONE: Any = object()
+
+
+def _closed() -> Response:
+    """What a request whose client went away answers (nobody reads it; 499 as nginx logs)."""
+    return Response(status_code=499)
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`await work`, or `_GONE` once the client has disconnected (the work is cancelled, and
+    with it the worker RPCs). The body must have been read already."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnect(request.receive))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
+    return _GONE if task.cancelled() else task.result()
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _json_body(raw: bytes) -> object:
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"Invalid JSON body: {e}") from None
+
+
+def create_app(config: ConductorConfig,
+               membership: Callable[[Callable], Membership] | None = None) -> FastAPI:
+    """The ASGI app; `membership` replaces the etcd watcher (tests)."""
+    conductor = Conductor(config, membership)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await conductor.start()
         log.info("conductor_ready", host=config.host, port=config.port,
-                 model=config.served_model_name)
+                 model=config.served_model_name, chat_template_builtin=conductor.chat_template
+                 .builtin, api_key=bool(config.api_key))
         yield
         await conductor.stop()
 
-    app = FastAPI(title="kvcluster conductor", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="kvcluster conductor", version="0.1.0", lifespan=lifespan,
+                  docs_url="/docs", redoc_url=None)
     app.state.conductor = conductor
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
 
     @app.exception_handler(ConductorError)
     async def _conductor_error(request: Request, err: ConductorError) -> JSONResponse:
         headers = {}
         if err.retry_after is not None:
             headers["Retry-After"] = str(max(1, round(err.retry_after)))
-        return JSONResponse(error_body(err), status_code=mapping(err).http, headers=headers)
+        return JSONResponse(error_body(err), status_code=http_status(err), headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        from http import HTTPStatus
+
+        body = error_payload(str(err.detail), HTTPStatus(err.status_code).phrase,
+                             err.status_code)
+        return JSONResponse(body, status_code=err.status_code, headers=err.headers)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, err: Exception) -> JSONResponse:
+        log.exception("internal_error", error=repr(err))
+        return JSONResponse(error_payload("Internal server error", "InternalServerError", 500),
+                            status_code=500)
 
     @app.get("/health")
     async def health() -> Response:
@@ -81,114 +312,26 @@ def create_app(config: ConductorConfig) -> FastAPI:
         return JSONResponse({"status": "ok" if ok else "unavailable", "detail": why},
                             status_code=200 if ok else 503)
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(conductor.metrics.exposition(), media_type=CONTENT_TYPE)
+
     @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{
+    async def models() -> Response:
+        return JSONResponse({"object": "list", "data": [{
             "id": config.served_model_name, "object": "model", "created": conductor.started,
-            "owned_by": "kvcluster", "root": config.model,
-            "max_model_len": conductor.tokenizer.max_model_len,
-        }]}
+            "owned_by": "kvcluster", "root": config.model, "parent": None,
+            "max_model_len": conductor.tokenizer.max_model_len, "permission": [],
+        }]})
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InvalidRequest(f"invalid JSON body: {e}") from None
-        req = parse_completion(body)
-        if req.model is not None and req.model != config.served_model_name:
-            raise ModelNotFound(f"The model `{req.model}` does not exist.", param="model",
-                                code=404)
-        prep = conductor.pipeline.prepare(req)
-        structlog.contextvars.bind_contextvars(request_id=prep.request_id)
-        outcome = Outcome()
-        deltas = conductor.pipeline.run(prep, outcome)
-        # Errors before the first token are HTTP errors; after it they are stream events.
-        first = await anext(deltas, None)
-        if req.stream:
-            return StreamingResponse(_sse(req, prep, outcome, first, deltas, config),
-                                     media_type="text/event-stream")
-        return JSONResponse(await _collect(req, prep, outcome, first, deltas, config))
+        return await conductor.serve(request, chat=False)
 
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> Response:
+        return await conductor.serve(request, chat=True)
+
+    described = openapi.build(app, secured=bool(config.api_key))
+    app.openapi = lambda: described  # type: ignore[method-assign]
     return app
-
-
-def _choice(req: CompletionRequest, d: Delta, text: str) -> dict:
-    choice: dict = {"index": 0, "text": text, "logprobs": None,
-                    "finish_reason": d.finish_reason, "stop_reason": None}
-    if req.logprobs is not None:
-        choice["logprobs"] = {
-            "tokens": d.tokens, "token_logprobs": d.logprobs,
-            "top_logprobs": d.top_logprobs if req.logprobs else None, "text_offset": [],
-        }
-    if req.return_token_ids:
-        choice["token_ids"] = d.token_ids
-    return choice
-
-
-def _usage(outcome: Outcome) -> dict:
-    return {
-        "prompt_tokens": outcome.prompt_tokens,
-        "completion_tokens": outcome.completion_tokens,
-        "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
-    }
-
-
-async def _collect(req: CompletionRequest, prep: Prepared, outcome: Outcome, first: Delta | None,
-                   rest: AsyncIterator[Delta], config: ConductorConfig) -> dict:
-    total = Delta()
-    deltas = [first] if first is not None else []
-    try:
-        deltas += [d async for d in rest]
-    finally:
-        await rest.aclose()
-    for d in deltas:
-        total.text += d.text
-        total.token_ids += d.token_ids
-        total.logprobs += d.logprobs
-        total.tokens += d.tokens
-        total.top_logprobs += d.top_logprobs
-        total.finish_reason = d.finish_reason or total.finish_reason
-    body = {
-        "id": prep.request_id, "object": "text_completion", "created": int(time.time()),
-        "model": config.served_model_name, "choices": [_choice(req, total, total.text)],
-        "usage": _usage(outcome),
-    }
-    if req.return_token_ids:
-        body["choices"][0]["prompt_token_ids"] = prep.token_ids
-    body["kv_transfer"] = {"prefill_instance": outcome.prefill_instance,
-                           "decode_instance": outcome.decode_instance,
-                           "blocks_saved": outcome.blocks_saved,
-                           "blocks_in_pool": outcome.blocks_in_pool,
-                           "blocks_loaded": outcome.blocks_loaded}
-    return body
-
-
-async def _sse(req: CompletionRequest, prep: Prepared, outcome: Outcome, first: Delta | None,
-               rest: AsyncIterator[Delta], config: ConductorConfig) -> AsyncIterator[bytes]:
-    created = int(time.time())
-
-    def event(payload: dict) -> bytes:
-        return b"data: " + json.dumps(payload).encode() + b"\n\n"
-
-    def chunk(choices: list[dict], usage: dict | None = None) -> dict:
-        out = {"id": prep.request_id, "object": "text_completion", "created": created,
-               "model": config.served_model_name, "choices": choices}
-        if usage is not None:
-            out["usage"] = usage
-        return out
-
-    try:
-        if first is not None:
-            yield event(chunk([_choice(req, first, first.text)]))
-        async for d in rest:
-            yield event(chunk([_choice(req, d, d.text)]))
-        if req.stream_options and req.stream_options.include_usage:
-            yield event(chunk([], _usage(outcome)))
-    except ConductorError as err:
-        log.warning("stream_failed", request_id=prep.request_id, error=err.message)
-        yield event(error_body(err))
-    finally:
-        await rest.aclose()  # a client that went away cancels the worker RPC now
-    yield b"data: [DONE]\n\n"

@@ -6,7 +6,10 @@ import argparse
 import os
 from dataclasses import dataclass, fields
 
-POLICIES = ("least_loaded",)
+from conductor.policy import DEFAULT_POLICY
+from conductor.policy import POLICIES as _POLICY_TABLE
+
+POLICIES = tuple(_POLICY_TABLE)
 
 
 @dataclass(frozen=True)
@@ -19,7 +22,8 @@ class ConductorConfig:
     """The name clients pass as `model`; defaults to the model directory's name."""
     host: str = "127.0.0.1"
     port: int = 8000
-    policy: str = "least_loaded"
+    policy: str = DEFAULT_POLICY
+    """Routing policy: kv_centric | cache_aware | least_loaded | round_robin | random."""
     membership_prefix: str = "/kvcluster/instances/"
     prefill_timeout_s: float = 120.0
     """Deadline of one prefill RPC."""
@@ -29,6 +33,25 @@ class ConductorConfig:
     """Deadline of a whole request."""
     block_size: int = 0
     """Block size used when no worker has registered yet; 0 means take the workers'."""
+    ttft_slo_s: float = 30.0
+    """Default time-to-first-token SLO: kv_centric answers 429 when no pair is predicted to
+    meet it."""
+    tbt_slo_s: float = 0.3
+    """Default time-between-tokens SLO a decode instance must be predicted to keep."""
+    local_prefill_max_tokens: int = 64
+    """Conditional disaggregation: at most this many uncached prompt tokens are prefilled on
+    the decode instance itself, skipping the prefill pool (0: always disaggregate)."""
+    pool_gbps: float = 1.0
+    """Pool-to-engine transfer bandwidth (GB/s) the TTFT prediction assumes."""
+    index_max_blocks: int = 1_000_000
+    """The KV index forgets the least recently stored blocks beyond this many."""
+    predicted_ttl_s: float = 10.0
+    """How long a routed request's predicted blocks count without an event confirming them."""
+    kv_events: bool = True
+    """Follow the workers' KV event streams (exact local caches); off: replies only."""
+    api_key: str = ""
+    """When set, /v1 routes need `Authorization: Bearer <api_key>` (401 otherwise); /health,
+    /metrics and the OpenAPI description stay open. Empty: no key."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -37,14 +60,26 @@ class ConductorConfig:
             raise ValueError(f"model must be a local model directory: {self.model!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
-        for name in ("prefill_timeout_s", "first_token_timeout_s", "request_timeout_s"):
+        for name in ("prefill_timeout_s", "first_token_timeout_s", "request_timeout_s",
+                     "ttft_slo_s", "tbt_slo_s", "pool_gbps", "index_max_blocks",
+                     "predicted_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError("local_prefill_max_tokens must be non-negative")
         if not self.served_model_name:
             object.__setattr__(self, "served_model_name", os.path.basename(self.model.rstrip("/")))
 
 
-_TYPES = {"str": str, "int": int, "float": float}
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
+
+
+_TYPES = {"str": str, "int": int, "float": float, "bool": _bool}
 
 
 def parse_args(argv: list[str] | None = None) -> ConductorConfig:

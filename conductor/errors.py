@@ -1,4 +1,8 @@
-"""Every error the conductor answers with, and the one table mapping it to HTTP and gRPC."""
+"""Every error the conductor answers with, and the one table mapping it to HTTP and gRPC.
+
+The body is vLLM's OpenAI error object: `{"error": {"message", "type", "param", "code"}}`
+with `code` the HTTP status (an int, as vLLM sends it).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,8 @@ import grpc
 
 
 class ConductorError(Exception):
-    """Base: carries an OpenAI error `type`, an optional offending `param` and `code`."""
+    """Base: carries an OpenAI error `type`, an optional offending `param`, and a `code`
+    naming the cause for logs and metrics (the body's `code` is always the HTTP status)."""
 
     type: str = "InternalServerError"
 
@@ -25,12 +30,12 @@ class InvalidRequest(ConductorError):
     type = "BadRequestError"
 
 
-class ModelNotFound(ConductorError):
-    type = "NotFoundError"
-
-
 class Unauthorized(ConductorError):
     type = "AuthenticationError"
+
+
+class ModelNotFound(ConductorError):
+    type = "NotFoundError"
 
 
 class Overloaded(ConductorError):
@@ -72,6 +77,14 @@ ERROR_TABLE: dict[type[ConductorError], Mapping] = {
     ConductorError: Mapping(500, grpc.StatusCode.INTERNAL),
 }
 
+WORKER_STATUS: dict[grpc.StatusCode, type[ConductorError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.OUT_OF_RANGE: InvalidRequest,
+    grpc.StatusCode.DEADLINE_EXCEEDED: Timeout,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
+}
+"""A worker's gRPC failure as the conductor's error (the table's inverse); others are 502."""
+
 
 def mapping(err: ConductorError) -> Mapping:
     for cls in type(err).__mro__:
@@ -80,19 +93,21 @@ def mapping(err: ConductorError) -> Mapping:
     return ERROR_TABLE[ConductorError]
 
 
+def http_status(err: ConductorError) -> int:
+    return mapping(err).http
+
+
 def from_worker_status(code: grpc.StatusCode, details: str) -> ConductorError:
-    """A worker's gRPC failure as the conductor's error (the inverse direction of the table)."""
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidRequest(details)
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return Timeout(f"worker deadline exceeded: {details}")
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return Overloaded(details, retry_after=1.0)
-    return UpstreamFailed(f"worker failed ({code.name}): {details}")
+    cls = WORKER_STATUS.get(code, UpstreamFailed)
+    if cls is UpstreamFailed:
+        return UpstreamFailed(f"worker failed ({code.name}): {details}")
+    return cls(details, retry_after=1.0 if cls is Overloaded else None)
+
+
+def error_payload(message: str, err_type: str, status: int, param: str | None = None) -> dict:
+    """The OpenAI error object: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
 
 
 def error_body(err: ConductorError) -> dict:
-    """The OpenAI error object: {"error": {"message", "type", "param", "code"}}."""
-    status = mapping(err).http
-    return {"error": {"message": err.message, "type": err.type, "param": err.param,
-                      "code": err.code if err.code is not None else status}}
+    return error_payload(err.message, err.type, http_status(err), err.param)

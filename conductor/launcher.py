@@ -47,7 +47,7 @@ class ClusterSpec:
     kv_cache_bytes: int = 256 << 20
     pool_segment_bytes: int = 256 << 20
     lease_ttl: float = 5.0
-    policy: str = "least_loaded"
+    policy: str = "kv_centric"
     worker_env: tuple[tuple[str, str], ...] = ()
     conductor_args: tuple[str, ...] = ()
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -17,11 +16,15 @@ import grpc
 import structlog
 
 from conductor.config import ConductorConfig
-from conductor.errors import ConductorError, NoCapacity, Timeout, from_worker_status
-from conductor.policy import POLICIES
-from conductor.protocol import CompletionRequest
+from conductor.errors import (
+    ConductorError,
+    NoCapacity,
+    Timeout,
+    UpstreamFailed,
+    from_worker_status,
+)
 from conductor.registry import Instance, Registry
-from conductor.snapshot import RouteRequest
+from conductor.scheduler.router import Dispatch, Router
 from conductor.tokenizer import Tokenizer
 from protos import worker_pb2
 from store.block_hash import block_hashes
@@ -41,16 +44,31 @@ class Prepared:
     cache_salt: str
 
 
-@dataclass
-class Delta:
-    """New output since the previous delta."""
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One position's logprobs: the chosen (or prompt) token's, and the top candidates'."""
 
+    token_id: int
+    token: str
+    logprob: float | None
+    """None for the first prompt token, which has no logprob."""
+    top: tuple[tuple[str, float], ...]
+    """The chosen token first, then the top-k, as the engine ranked them."""
+
+
+@dataclass(slots=True)
+class Delta:
+    """New output of one choice (`index` < n) since its previous delta."""
+
+    index: int = 0
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = field(default_factory=list)
-    tokens: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    """The stop string or token id that ended the choice (None: EOS, length, ...)."""
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    """When asked (echo with logprobs): one per prompt token, the first None."""
 
 
 @dataclass
@@ -72,7 +90,7 @@ class Pipeline:
         self.config = config
         self.registry = registry
         self.tokenizer = tokenizer
-        self.policy = POLICIES[config.policy]
+        self.router = Router(config, registry)
 
     def block_size(self) -> int:
         sizes = {i.info.block_size for i in self.registry.all()}
@@ -84,64 +102,49 @@ class Pipeline:
             raise NoCapacity("no instance is registered")
         raise NoCapacity(f"instances disagree on the block size: {sorted(sizes)}")
 
-    def prepare(self, req: CompletionRequest) -> Prepared:
-        token_ids = self.tokenizer.encode_prompt(req.prompt)
-        max_tokens = self.tokenizer.clamp_max_tokens(len(token_ids), req.max_tokens)
-        salt = req.cache_salt or ""
-        params = worker_pb2.SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=-1 if req.top_k in (None, 0) else req.top_k,
-            stop=req.stop_list(),
-            stop_token_ids=req.stop_token_ids or [],
-            logprobs=0 if req.logprobs is None else max(req.logprobs, 1),
-            ignore_eos=req.ignore_eos,
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty or 0.0,
-            min_tokens=req.min_tokens,
-        )
-        if req.seed is not None:
-            params.seed = req.seed
+    def prepare(self, request_id: str, token_ids: list[int],
+                params: worker_pb2.SamplingParams, cache_salt: str = "") -> Prepared:
+        """A request the HTTP layer validated, tokenized and parameterised, with its hashes."""
         return Prepared(
-            request_id=req.request_id or f"cmpl-{uuid.uuid4().hex}",
+            request_id=request_id,
             token_ids=token_ids,
-            max_tokens=max_tokens,
-            block_hashes=tuple(block_hashes(token_ids, self.block_size(), salt)),
+            max_tokens=params.max_tokens,
+            block_hashes=tuple(block_hashes(token_ids, self.block_size(), cache_salt)),
             params=params,
-            cache_salt=salt,
+            cache_salt=cache_salt,
         )
 
-    def route(self, prep: Prepared) -> tuple[Instance, Instance]:
-        snapshot = self.registry.snapshot()
-        choice = self.policy(snapshot, RouteRequest(len(prep.token_ids), prep.block_hashes))
-        if choice is None:
-            missing = [role for role, have in (("prefill", snapshot.prefill()),
-                                               ("decode", snapshot.decode())) if not have]
-            raise NoCapacity(f"no {' or '.join(missing) or 'suitable'}-capable instance is up; "
-                             "retry later")
-        p, d = self.registry.get(choice.prefill_id), self.registry.get(choice.decode_id)
-        if p is None or d is None:
-            raise NoCapacity("the chosen instance left the cluster")
-        return p, d
+    def route(self, prep: Prepared) -> Dispatch:
+        """Where the request runs (counted there from now on), or Overloaded / NoCapacity."""
+        return self.router.route(prep.request_id, prep.token_ids, prep.block_hashes,
+                                 prep.max_tokens, self.block_size(), prep.cache_salt)
 
     async def run(self, prep: Prepared, outcome: Outcome) -> AsyncIterator[Delta]:
-        """Prefill on one instance, then stream the decode from another."""
-        prefill, decode = self.route(prep)
+        """Prefill on one instance, then stream the decode from another; a route with one
+        instance (conditional disaggregation) skips the Prefill RPC: the decode instance
+        computes the short uncached part itself."""
+        dispatch = self.route(prep)
+        prefill, decode = dispatch.prefill, dispatch.decode
         outcome.prompt_tokens = len(prep.token_ids)
         outcome.prefill_instance = prefill.info.instance_id
         outcome.decode_instance = decode.info.instance_id
-        log.info("routed", request_id=prep.request_id, prefill=outcome.prefill_instance,
-                 decode=outcome.decode_instance, prompt_tokens=outcome.prompt_tokens)
         deadline = time.monotonic() + self.config.request_timeout_s
-        await self._prefill(prefill, prep, outcome)
-        async for delta in self._decode(decode, prep, outcome, deadline):
-            yield delta
+        try:
+            if dispatch.route.disaggregated:
+                await self._prefill(prefill, prep, outcome, dispatch)
+            first = True
+            async for delta in self._decode(decode, prep, outcome, deadline):
+                if first:
+                    dispatch.first_token()
+                    first = False
+                dispatch.tokens(delta.token_ids, record=delta.index == 0)
+                yield delta
+            dispatch.decode_done()
+        finally:
+            dispatch.release()
 
-    async def _prefill(self, inst: Instance, prep: Prepared, outcome: Outcome) -> None:
-        inst.in_flight += 1
-        inst.queued_prompt_tokens += len(prep.token_ids)
+    async def _prefill(self, inst: Instance, prep: Prepared, outcome: Outcome,
+                       dispatch: Dispatch) -> None:
         t0 = time.perf_counter()
         try:
             reply = await inst.stub.Prefill(
@@ -151,9 +154,8 @@ class Pipeline:
             )
         except grpc.aio.AioRpcError as e:
             raise _worker_error(e, inst, "prefill") from None
-        finally:
-            inst.in_flight -= 1
-            inst.queued_prompt_tokens -= len(prep.token_ids)
+        dispatch.prefill_done(reply.num_prompt_tokens, reply.num_cached_tokens,
+                              reply.blocks_in_pool, reply.engine_seconds)
         outcome.blocks_saved = reply.blocks_saved
         outcome.blocks_in_pool = reply.blocks_in_pool
         log.info("prefilled", request_id=prep.request_id, instance=inst.info.instance_id,
@@ -162,12 +164,13 @@ class Pipeline:
 
     async def _decode(self, inst: Instance, prep: Prepared, outcome: Outcome, deadline: float
                       ) -> AsyncIterator[Delta]:
-        inst.in_flight += 1
         call = inst.stub.Generate(
             worker_pb2.GenerateRequest(request_id=prep.request_id, token_ids=prep.token_ids,
                                        params=prep.params, cache_salt=prep.cache_salt),
             timeout=max(deadline - time.monotonic(), 0.001),
         )
+        unfinished = set(range(prep.params.n or 1))
+        held: list[worker_pb2.TokenLogprobs] = []  # prompt logprobs of steps without output
         try:
             first = True
             while True:
@@ -185,22 +188,47 @@ class Pipeline:
                     first = False
                 outcome.completion_tokens += len(chunk.token_ids)
                 if chunk.finish_reason:
-                    outcome.blocks_loaded = chunk.blocks_loaded
-                yield _delta(chunk)
+                    unfinished.discard(chunk.index)
+                    outcome.blocks_loaded = max(outcome.blocks_loaded, chunk.blocks_loaded)
+                elif not chunk.token_ids:
+                    held += chunk.prompt_logprobs
+                    continue
+                yield _delta(chunk, held)
+                held = []
+            if unfinished:
+                raise UpstreamFailed(f"decode on {inst.info.instance_id} ended before choices "
+                                     f"{sorted(unfinished)} finished")
         except grpc.aio.AioRpcError as e:
             raise _worker_error(e, inst, "decode") from None
         finally:
-            inst.in_flight -= 1
             call.cancel()
 
 
-def _delta(chunk: worker_pb2.GenerateChunk) -> Delta:
-    d = Delta(text=chunk.text, token_ids=list(chunk.token_ids), logprobs=list(chunk.logprobs),
+def _delta(chunk: worker_pb2.GenerateChunk, held: list[worker_pb2.TokenLogprobs]) -> Delta:
+    d = Delta(index=chunk.index, text=chunk.text, token_ids=list(chunk.token_ids),
               finish_reason=chunk.finish_reason or None)
-    for top in chunk.top_logprobs:
-        d.tokens.append(top.top[0].token if top.top else "")
-        d.top_logprobs.append({t.token: t.logprob for t in top.top})
+    which = chunk.WhichOneof("stop_reason")
+    if which is not None:
+        d.stop_reason = getattr(chunk, which)
+    if chunk.top_logprobs:
+        d.logprobs = [_logprob(t, top) for t, top in zip(chunk.token_ids, chunk.top_logprobs,
+                                                         strict=False)]
+    if held or chunk.prompt_logprobs:
+        d.prompt_logprobs = [_logprob(None, top) if top.top else None
+                             for top in (*held, *chunk.prompt_logprobs)]
     return d
+
+
+def _logprob(token_id: int | None, top: worker_pb2.TokenLogprobs) -> TokenLogprob:
+    """The wire's list holds the chosen token first (for a prompt position: the prompt's)."""
+    entries = top.top
+    if not entries:
+        return TokenLogprob(token_id or 0, "", None, ())
+    own = entries[0]
+    if token_id is not None and own.token_id != token_id:
+        own = next((e for e in entries if e.token_id == token_id), own)
+    return TokenLogprob(own.token_id, own.token, own.logprob,
+                        tuple((e.token, e.logprob) for e in entries))
 
 
 def _worker_error(e: grpc.aio.AioRpcError, inst: Instance, stage: str) -> ConductorError:

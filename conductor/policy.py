@@ -1,29 +1,32 @@
-"""Routing policies: pure functions of an immutable snapshot and the request, no I/O.
+"""Routing policies by name: pure functions of an immutable snapshot and the request, no I/O.
 
-`None` means no pair can take the request (the caller answers 503)."""
+A policy answers a `Route`, a `Reject` (no pair meets the SLOs: 429 before any work), or
+None (no instance can take the request: 503). One module per policy under
+`conductor/scheduler/policies/`; `kv_centric` is the default.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from conductor.snapshot import ClusterSnapshot, InstanceLoad, Route, RouteRequest
+from conductor.scheduler.policies.cache_aware import cache_aware
+from conductor.scheduler.policies.kv_centric import kv_centric
+from conductor.scheduler.policies.least_loaded import least_loaded
+from conductor.scheduler.policies.random_choice import random_choice
+from conductor.scheduler.policies.round_robin import round_robin
+from conductor.snapshot import ClusterSnapshot, Reject, Route, RouteRequest
 
-Policy = Callable[[ClusterSnapshot, RouteRequest], "Route | None"]
+Decision = Route | Reject | None
+Policy = Callable[[ClusterSnapshot, RouteRequest], Decision]
 
+POLICIES: dict[str, Policy] = {
+    "kv_centric": kv_centric,
+    "cache_aware": cache_aware,
+    "least_loaded": least_loaded,
+    "round_robin": round_robin,
+    "random": random_choice,
+}
+DEFAULT_POLICY = "kv_centric"
 
-def _least(instances: tuple[InstanceLoad, ...]) -> InstanceLoad | None:
-    if not instances:
-        return None
-    return min(instances, key=lambda i: (i.in_flight, i.queued_prompt_tokens, i.instance_id))
-
-
-def least_loaded(snapshot: ClusterSnapshot, request: RouteRequest) -> Route | None:
-    """The prefill and the decode instance with the fewest requests in flight."""
-    p = _least(snapshot.prefill())
-    d = _least(snapshot.decode())
-    if p is None or d is None:
-        return None
-    return Route(prefill_id=p.instance_id, decode_id=d.instance_id)
-
-
-POLICIES: dict[str, Policy] = {"least_loaded": least_loaded}
+__all__ = ["DEFAULT_POLICY", "POLICIES", "Decision", "Policy", "cache_aware", "kv_centric",
+           "least_loaded", "random_choice", "round_robin"]

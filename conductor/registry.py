@@ -1,15 +1,18 @@
 """The instances the conductor can route to: membership from etcd, one gRPC client each, and
-the load counted at dispatch time. `snapshot()` freezes it for the routing policy."""
+the load counted at dispatch time (`scheduler.load.LoadState`). `snapshot()` freezes it for
+the routing policy; listeners (the router) hear joins and leaves."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 import structlog
 
 from cluster.instance import InstanceInfo
-from conductor.snapshot import ClusterSnapshot, InstanceLoad
+from conductor.scheduler.load import LoadState
+from conductor.snapshot import ClusterSnapshot, SchedulerParams
 from protos import worker_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -20,30 +23,54 @@ class Instance:
     info: InstanceInfo
     channel: grpc.aio.Channel
     stub: worker_pb2_grpc.WorkerStub
-    in_flight: int = 0
-    queued_prompt_tokens: int = 0
+    load: LoadState
     draining: bool = False
-    dispatched_total: int = 0
     tags: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def instance_id(self) -> str:
+        return self.info.instance_id
+
+
+class RegistryListener(Protocol):
+    def instance_joined(self, inst: Instance) -> None: ...
+    def instance_left(self, inst: Instance) -> None: ...
 
 
 class Registry:
     def __init__(self) -> None:
         self._instances: dict[str, Instance] = {}
+        self._listeners: list[RegistryListener] = []
+
+    def listen(self, listener: RegistryListener) -> None:
+        """Tell `listener` of every instance now and of joins and leaves from now on."""
+        self._listeners.append(listener)
+        for inst in self._instances.values():
+            listener.instance_joined(inst)
 
     def sync(self, members: dict[str, InstanceInfo]) -> None:
         """Follow membership: open clients for joiners, close those of leavers."""
         for iid in list(self._instances):
             if iid not in members or members[iid].address != self._instances[iid].info.address:
-                inst = self._instances.pop(iid)
-                log.info("instance_left", instance_id=iid, role=inst.info.role)
-                # Closing cancels RPCs in flight to a dead instance: they fail fast.
-                _close_later(inst.channel)
+                self._leave(iid)
         for iid, info in members.items():
             if iid not in self._instances:
                 channel = grpc.aio.insecure_channel(info.address)
-                self._instances[iid] = Instance(info, channel, worker_pb2_grpc.WorkerStub(channel))
+                inst = Instance(info, channel, worker_pb2_grpc.WorkerStub(channel),
+                                LoadState(iid, info.role, info.block_size, info.capacity_tokens))
+                self._instances[iid] = inst
                 log.info("instance_joined", instance_id=iid, role=info.role, address=info.address)
+                for listener in self._listeners:
+                    listener.instance_joined(inst)
+
+    def _leave(self, iid: str) -> Instance:
+        inst = self._instances.pop(iid)
+        log.info("instance_left", instance_id=iid, role=inst.info.role)
+        for listener in self._listeners:
+            listener.instance_left(inst)
+        # Closing cancels RPCs in flight to a dead instance: they fail fast.
+        _close_later(inst.channel)
+        return inst
 
     def get(self, instance_id: str) -> Instance | None:
         return self._instances.get(instance_id)
@@ -51,22 +78,18 @@ class Registry:
     def all(self) -> list[Instance]:
         return list(self._instances.values())
 
-    def snapshot(self) -> ClusterSnapshot:
-        loads = tuple(
-            InstanceLoad(
-                instance_id=i.info.instance_id,
-                role=i.info.role,
-                in_flight=i.in_flight,
-                queued_prompt_tokens=i.queued_prompt_tokens,
-                block_size=i.info.block_size,
-            )
-            for i in self._instances.values()
-            if not i.draining
-        )
-        return ClusterSnapshot(instances=loads)
+    def snapshot(self, now: float = 0.0, params: SchedulerParams | None = None,
+                 cached_blocks: dict[str, int] | None = None) -> ClusterSnapshot:
+        """The routable (not draining) instances' loads, frozen."""
+        cached = cached_blocks or {}
+        loads = tuple(i.load.view(cached.get(iid, 0))
+                      for iid, i in self._instances.items() if not i.draining)
+        return ClusterSnapshot(loads, now, params or SchedulerParams())
 
     async def close(self) -> None:
-        for inst in self._instances.values():
+        for inst in list(self._instances.values()):
+            for listener in self._listeners:
+                listener.instance_left(inst)
             await inst.channel.close(grace=None)
         self._instances.clear()
 

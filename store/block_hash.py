@@ -28,12 +28,20 @@ def block_hashes(
     token_ids: Sequence[int], block_size: int, cache_salt: str | None = None
 ) -> list[int]:
     """Chained 64-bit hashes of every full block of `token_ids`."""
+    return extend_hashes(None, token_ids, block_size, cache_salt)
+
+
+def extend_hashes(
+    parent: int | None, token_ids: Sequence[int], block_size: int, cache_salt: str | None = None
+) -> list[int]:
+    """Hashes of the full blocks of `token_ids` continuing the chain whose last block hash is
+    `parent` (None: a new chain from `root_hash(cache_salt)`, i.e. `block_hashes`)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     tokens = array("I", token_ids)
     raw = tokens.tobytes()
     step = block_size * tokens.itemsize
-    prev = root_hash(cache_salt)
+    prev = root_hash(cache_salt) if parent is None else parent
     out: list[int] = []
     for start in range(0, (len(tokens) // block_size) * step, step):
         prev = xxhash.xxh3_64_intdigest(prev.to_bytes(8, "little") + raw[start : start + step])

@@ -30,7 +30,7 @@ from cluster.ports import free_port, wait_for_port
 from cluster.process import ManagedProcess
 
 if TYPE_CHECKING:
-    from typing_extensions import Self
+    from typing import Self
 
 BINARY_NAME = "mooncake_master"
 

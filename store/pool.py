@@ -46,7 +46,7 @@ from urllib.parse import urlsplit
 from cluster.ports import free_port
 
 if TYPE_CHECKING:
-    from typing_extensions import Self
+    from typing import Self
 
 log = logging.getLogger(__name__)
 

@@ -40,14 +40,14 @@ def model_dir() -> str:
 
 
 @pytest.fixture(scope="session")
-def tokenizer(model_dir: str):  # noqa: ANN201
+def tokenizer(model_dir: str):
     from conductor.tokenizer import Tokenizer
 
     return Tokenizer(model_dir)
 
 
 @pytest.fixture(scope="session")
-def prompt_ids(tokenizer) -> dict[str, list[int]]:  # noqa: ANN001
+def prompt_ids(tokenizer) -> dict[str, list[int]]:
     ids = {name: tokenizer.encode_prompt(text) for name, text in PROMPTS.items()}
     for name, toks in ids.items():
         assert len(toks) >= 4 * BLOCK_SIZE + 1, (name, len(toks))
@@ -70,7 +70,7 @@ def reference(model_dir: str, prompt_ids: dict[str, list[int]]) -> dict[str, dic
 
 
 @pytest.fixture(scope="session")
-def cluster(model_dir: str, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+def cluster(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
     spec = ClusterSpec(model=model_dir, prefill=1, decode=1, http_port=0,
                        run_dir=str(tmp_path_factory.mktemp("cluster")),
                        block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, dtype=DTYPE,

@@ -43,6 +43,8 @@ class WorkerConfig:
     pool_segment_bytes: int = 256 << 20
     lease_ttl: float = 5.0
     enforce_eager: bool = True
+    kv_events: bool = True
+    """Publish the engine's prefix-cache changes to the conductor (the `KvEvents` RPC)."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

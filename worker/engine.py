@@ -40,15 +40,16 @@ class Engine:
         self.config = config
         self.namespace = kv_namespace(config.model, config.block_size, config.dtype)
         self._llm = None
+        self.relay = None
+        """The KV event relay (`worker.kv_events`), when `config.kv_events`."""
 
     def start(self) -> None:
         # Imported here: vLLM is heavy and the engine-core process is spawned.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         from vllm.config import KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
         from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
 
         c = self.config
         if current_platform.device_type != c.device:
@@ -79,6 +80,14 @@ class Engine:
             kv_transfer_config=ktc,
             disable_log_stats=True,
         )
+        if c.kv_events:
+            import asyncio
+
+            from worker.kv_events import KvEventRelay
+
+            self.relay = KvEventRelay(c.block_size)
+            self.relay.start(asyncio.get_running_loop())
+            args.kv_events_config = self.relay.events_config()
         self._llm = AsyncLLM.from_engine_args(args)
         log.info("engine_started", model=c.model, role=c.role, namespace=self.namespace)
 
@@ -124,6 +133,11 @@ class Engine:
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
 
+    def kv_capacity_tokens(self) -> int:
+        """The engine's KV cache size in tokens (0 before it is known)."""
+        blocks = self.llm.vllm_config.cache_config.num_gpu_blocks or 0
+        return blocks * self.config.block_size
+
     def running(self) -> int:
         try:
             return self.llm.output_processor.get_num_unfinished_requests()
@@ -134,3 +148,6 @@ class Engine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+        if self.relay is not None:
+            self.relay.stop()
+            self.relay = None

@@ -42,7 +42,7 @@ async def serve(config: WorkerConfig) -> None:
         address=f"{config.advertise_host}:{port}",
         model=config.served_model_name,
         block_size=config.block_size,
-        capacity_tokens=config.kv_cache_bytes,
+        capacity_tokens=engine.kv_capacity_tokens(),
         version=VERSION,
         started_at=time.time(),
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections.abc import AsyncIterator
 
@@ -21,41 +22,73 @@ def sampling_params(p: worker_pb2.SamplingParams):
     from vllm.sampling_params import RequestOutputKind
 
     return SamplingParams(
+        n=p.n or 1,
         max_tokens=p.max_tokens or 16,
         temperature=p.temperature,
         top_p=p.top_p or 1.0,
         top_k=p.top_k if p.top_k > 0 else -1 if p.top_k < 0 else 0,
+        min_p=p.min_p,
         seed=p.seed if p.HasField("seed") else None,
         stop=list(p.stop) or None,
         stop_token_ids=list(p.stop_token_ids) or None,
+        include_stop_str_in_output=p.include_stop_str_in_output,
         logprobs=p.logprobs if p.logprobs > 0 else None,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         ignore_eos=p.ignore_eos,
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty or 1.0,
         min_tokens=p.min_tokens,
+        skip_special_tokens=(p.skip_special_tokens if p.HasField("skip_special_tokens")
+                             else True),
         output_kind=RequestOutputKind.DELTA,
     )
 
 
-def _chunk(out, first: bool) -> worker_pb2.GenerateChunk:
-    comp = out.outputs[0]
-    chunk = worker_pb2.GenerateChunk(token_ids=list(comp.token_ids), text=comp.text)
-    if comp.logprobs:
-        for tok, lp in zip(comp.token_ids, comp.logprobs, strict=False):
-            chunk.logprobs.append(_finite(lp[tok].logprob))
-            top = worker_pb2.TokenLogprobs()
-            for tid, entry in lp.items():
-                top.top.add(token_id=tid, logprob=_finite(entry.logprob),
-                            token=entry.decoded_token or "")
-            chunk.top_logprobs.append(top)
+def _client_errors() -> tuple[type[Exception], ...]:
+    """What vLLM raises for a bad request (its validation error is not a ValueError)."""
+    from vllm.exceptions import VLLMClientError
+
+    return (ValueError, TypeError, VLLMClientError)
+
+
+def _top(lp: dict) -> worker_pb2.TokenLogprobs:
+    top = worker_pb2.TokenLogprobs()
+    for tid, entry in lp.items():
+        top.top.add(token_id=tid, logprob=_finite(entry.logprob), token=entry.decoded_token or "")
+    return top
+
+
+def _chunks(out, first: bool) -> list[worker_pb2.GenerateChunk]:
+    """One wire chunk per choice that moved in this engine output (several when n > 1)."""
+    chunks = []
+    for comp in out.outputs:
+        chunk = worker_pb2.GenerateChunk(token_ids=list(comp.token_ids), text=comp.text,
+                                         index=comp.index)
+        if comp.logprobs:
+            for tok, lp in zip(comp.token_ids, comp.logprobs, strict=False):
+                chunk.logprobs.append(_finite(lp[tok].logprob))
+                chunk.top_logprobs.append(_top(lp))
+        if comp.finish_reason is not None:
+            chunk.finish_reason = comp.finish_reason
+            if isinstance(comp.stop_reason, str):
+                chunk.stop_str = comp.stop_reason
+            elif isinstance(comp.stop_reason, int):
+                chunk.stop_token_id = comp.stop_reason
+        chunks.append(chunk)
+    if not chunks:  # prompt logprobs or a bare finish, without new tokens
+        chunks.append(worker_pb2.GenerateChunk())
+    head, last = chunks[0], chunks[-1]
+    if out.prompt_logprobs:
+        head.prompt_logprobs.extend(worker_pb2.TokenLogprobs() if lp is None else _top(lp)
+                                    for lp in out.prompt_logprobs)
     if first:
-        chunk.num_prompt_tokens = len(out.prompt_token_ids or [])
-        chunk.num_cached_tokens = out.num_cached_tokens or 0
+        head.num_prompt_tokens = len(out.prompt_token_ids or [])
+        head.num_cached_tokens = out.num_cached_tokens or 0
     if out.finished:
-        chunk.finish_reason = comp.finish_reason or "stop"
-        chunk.blocks_loaded = int((out.kv_transfer_params or {}).get("pool_blocks_loaded", 0))
-    return chunk
+        last.finish_reason = last.finish_reason or "stop"
+        last.blocks_loaded = int((out.kv_transfer_params or {}).get("pool_blocks_loaded", 0))
+    return chunks
 
 
 def _finite(x: float) -> float:
@@ -72,6 +105,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.requests_total = 0
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
+        self.aborted_total = 0
         self._pool = None
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -81,10 +115,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.prefills += 1
         try:
             res = await self.engine.prefill(rid, list(request.token_ids), request.cache_salt)
-        except ValueError as e:
+        except _client_errors() as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except asyncio.CancelledError:
-            await self.engine.abort(rid)
+            await self._aborted(rid, "prefill")
             raise
         finally:
             self.prefills -= 1
@@ -124,20 +158,27 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         rid = request.request_id
         try:
             params = sampling_params(request.params)
-        except ValueError as e:
+        except _client_errors() as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         log.info("generate_start", request_id=rid, prompt_tokens=len(request.token_ids))
         self.generates += 1
         first = True
+        outs = self.engine.generate(rid, list(request.token_ids), params, request.cache_salt)
         try:
-            async for out in self.engine.generate(rid, list(request.token_ids), params,
-                                                  request.cache_salt):
-                if first:
-                    self._count(len(request.token_ids), out.num_cached_tokens or 0)
-                yield _chunk(out, first)
-                first = False
-        except ValueError as e:
+            async with contextlib.aclosing(outs):
+                async for out in outs:
+                    if first:
+                        self._count(len(request.token_ids), out.num_cached_tokens or 0)
+                    for chunk in _chunks(out, first):
+                        yield chunk
+                    first = False
+        except _client_errors() as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (asyncio.CancelledError, GeneratorExit):
+            # The caller went away: cancelled while the engine worked, or closed while this
+            # generator waited at a yield. Either way the engine request is aborted now.
+            await self._aborted(rid, "generate")
+            raise
         finally:
             self.generates -= 1
             log.info("generate_end", request_id=rid)
@@ -158,7 +199,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             requests_total=self.requests_total,
             prompt_tokens_total=self.prompt_tokens_total,
             cached_tokens_total=self.cached_tokens_total,
+            aborted_total=self.aborted_total,
         )
+
+    async def KvEvents(self, request: worker_pb2.KvEventsRequest,
+                       context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[worker_pb2.KvEventBatch]:
+        relay = self.engine.relay
+        if relay is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV events are off (--kv-events)")
+        async for batch in relay.stream():
+            yield batch
+
+    async def _aborted(self, request_id: str, stage: str) -> None:
+        """Free the engine request now (idempotent) and count it."""
+        self.aborted_total += 1
+        log.info("request_aborted", request_id=request_id, stage=stage)
+        await self.engine.abort(request_id)
 
     def _count(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.requests_total += 1

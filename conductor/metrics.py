@@ -1,0 +1,149 @@
+"""The conductor's Prometheus metrics (prometheus-client), on a registry of its own.
+
+Per request: a few counter increments and histogram observations, and one observation per
+streamed chunk. Per-instance load and the cache hit ratios are computed at scrape time.
+Retries and fall-backs are counted by whoever performs them: `Metrics.retry(stage)` and
+`Metrics.fallback(kind)`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CLIENT_CLOSED = "499"
+"""The status label of a request whose client went away before the answer (nginx's code)."""
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075,
+                0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class Metrics:
+    def __init__(self, instances: Callable[[], Iterable[Any]] = tuple) -> None:
+        """`instances` returns the current instances' loads (`snapshot.InstanceLoad`s)."""
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("kvcluster_requests", "Requests answered, by endpoint and HTTP "
+                                "status (499: the client went away).", ["endpoint", "status"],
+                                registry=r)
+        self.ttft = Histogram("kvcluster_time_to_first_token_seconds", "Arrival to the first "
+                              "token, as the conductor sees it.", buckets=_LATENCY_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("kvcluster_inter_token_latency_seconds", "Time between output "
+                             "tokens (TBT).", buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("kvcluster_e2e_request_latency_seconds", "Arrival to the last "
+                             "byte of the answer.", buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("kvcluster_prompt_tokens", "Prompt tokens of the "
+                                     "requests that got output.", registry=r)
+        self.generation_tokens = Counter("kvcluster_generation_tokens", "Output tokens.",
+                                         registry=r)
+        self.cached_tokens = Counter("kvcluster_prompt_tokens_cached", "Prompt tokens the "
+                                     "decode engine did not compute, by where their KV came "
+                                     "from (local prefix cache, or the pool).", ["source"],
+                                     registry=r)
+        self.rejections = Counter("kvcluster_rejections", "Requests refused by the scheduler "
+                                  "or for want of capacity (429, 503), by reason.", ["reason"],
+                                  registry=r)
+        self.retries_total = Counter("kvcluster_retries", "Worker calls retried, by stage.",
+                                     ["stage"], registry=r)
+        self.fallbacks_total = Counter("kvcluster_fallbacks", "Fall-backs taken (e.g. prefill "
+                                       "on the decode instance, recompute), by kind.", ["kind"],
+                                       registry=r)
+        self.totals = {"prompt": 0, "local": 0, "pool": 0}
+        r.register(_ClusterCollector(instances, self.totals))
+
+    def retry(self, stage: str) -> None:
+        self.retries_total.labels(stage).inc()
+
+    def fallback(self, kind: str) -> None:
+        self.fallbacks_total.labels(kind).inc()
+
+    def reject(self, reason: str) -> None:
+        self.rejections.labels(reason).inc()
+
+    def cache_hit(self, prompt_tokens: int, cached_tokens: int, pool_tokens: int) -> None:
+        pool = min(pool_tokens, cached_tokens)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.labels("pool").inc(pool)
+        self.cached_tokens.labels("local").inc(cached_tokens - pool)
+        self.totals["prompt"] += prompt_tokens
+        self.totals["pool"] += pool
+        self.totals["local"] += cached_tokens - pool
+
+    def timer(self, endpoint: str) -> RequestTimer:
+        return RequestTimer(self, endpoint)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """One request's clock: arrival, first token, each next token, the end."""
+
+    __slots__ = ("_m", "endpoint", "t0", "_last", "done")
+
+    def __init__(self, metrics: Metrics, endpoint: str) -> None:
+        self._m = metrics
+        self.endpoint = endpoint
+        self.t0 = time.perf_counter()
+        self._last = 0.0
+        self.done = False
+
+    def tokens(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.perf_counter()
+        if not self._last:
+            self._m.ttft.observe(now - self.t0)
+        else:
+            gap = (now - self._last) / n
+            for _ in range(n):
+                self._m.itl.observe(gap)
+        self._last = now
+        self._m.generation_tokens.inc(n)
+
+    def finish(self, status: int | str) -> None:
+        """Count the request once, under its final status."""
+        if self.done:
+            return
+        self.done = True
+        self._m.requests.labels(self.endpoint, str(status)).inc()
+        self._m.e2e.observe(time.perf_counter() - self.t0)
+
+
+class _ClusterCollector(Collector):
+    """Per-instance load as the conductor counts it, and the cache hit ratios, at scrape."""
+
+    def __init__(self, instances: Callable[[], Iterable[Any]], totals: dict[str, int]) -> None:
+        self._instances = instances
+        self._totals = totals
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        in_flight = GaugeMetricFamily("kvcluster_instance_in_flight", "Requests dispatched to "
+                                      "the instance and not finished.",
+                                      labels=["instance", "role"])
+        queued = GaugeMetricFamily("kvcluster_instance_queued_prompt_tokens", "Prompt tokens "
+                                   "of prefills dispatched to the instance and not finished "
+                                   "(its queue depth).", labels=["instance", "role"])
+        for i in self._instances():
+            in_flight.add_metric([i.instance_id, i.role], i.in_flight)
+            queued.add_metric([i.instance_id, i.role], i.queued_prompt_tokens)
+        yield in_flight
+        yield queued
+        ratio = GaugeMetricFamily("kvcluster_cache_hit_ratio", "Share of prompt tokens served "
+                                  "from a cache since start, by source.", labels=["source"])
+        total = self._totals["prompt"]
+        for source in ("local", "pool"):
+            ratio.add_metric([source], self._totals[source] / total if total else 0.0)
+        yield ratio
+
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        return []

@@ -1,0 +1,116 @@
+"""One instance's load, counted by the conductor at dispatch time (not polled afterwards).
+
+Prefill side: the prefills dispatched and not finished, as a FIFO of predicted compute times.
+The queue is predicted to drain at `busy_until = head_started + sum(predicted times)`, where
+`head_started` is when the current head began (its dispatch to an idle instance, or the
+previous completion); every completion re-anchors it, so the prediction corrects itself.
+
+Decode side: the requests dispatched to it (counted from dispatch, before their prefill ends,
+so prefill and decode load do not oscillate out of phase), the KV tokens they hold, and
+when each is predicted to finish.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from conductor.snapshot import InstanceLoad
+
+
+@dataclass
+class _Decode:
+    prompt_tokens: int
+    generated: int
+    finish_at: float
+
+
+class LoadState:
+    def __init__(self, instance_id: str, role: str, block_size: int,
+                 kv_capacity_tokens: int = 0) -> None:
+        self.instance_id = instance_id
+        self.role = role
+        self.block_size = block_size
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self._prefills: dict[str, tuple[float, int, int]] = {}
+        """request id -> (predicted seconds, prompt tokens, uncached tokens)"""
+        self._work_s = 0.0
+        self._head_started = 0.0
+        self._decodes: dict[str, _Decode] = {}
+        self.kv_tokens = 0
+        self.queued_prompt_tokens = 0
+        self.queued_uncached_tokens = 0
+        self.dispatched_total = 0
+
+    # ------------------------------------------------------------------ prefill
+
+    def add_prefill(self, request_id: str, prompt_tokens: int, uncached_tokens: int,
+                    predicted_s: float, now: float) -> None:
+        if not self._prefills:
+            self._head_started = now
+            self._work_s = 0.0
+        self._prefills[request_id] = (predicted_s, prompt_tokens, uncached_tokens)
+        self._work_s += predicted_s
+        self.queued_prompt_tokens += prompt_tokens
+        self.queued_uncached_tokens += uncached_tokens
+        self.dispatched_total += 1
+
+    def end_prefill(self, request_id: str, now: float) -> None:
+        entry = self._prefills.pop(request_id, None)
+        if entry is None:
+            return
+        predicted_s, prompt_tokens, uncached_tokens = entry
+        self._work_s = max(self._work_s - predicted_s, 0.0) if self._prefills else 0.0
+        self._head_started = now
+        self.queued_prompt_tokens -= prompt_tokens
+        self.queued_uncached_tokens -= uncached_tokens
+
+    def service_time(self, now: float) -> float:
+        """Seconds since the queue's head started (its dispatch to an idle instance, or the
+        previous completion): the service time of the request completing now."""
+        return now - self._head_started
+
+    def prefills_in_flight(self) -> int:
+        return len(self._prefills)
+
+    # ------------------------------------------------------------------ decode
+
+    def add_decode(self, request_id: str, prompt_tokens: int, finish_at: float) -> None:
+        self._decodes[request_id] = _Decode(prompt_tokens, 0, finish_at)
+        self.kv_tokens += prompt_tokens
+        if request_id not in self._prefills:
+            self.dispatched_total += 1
+
+    def decode_progress(self, request_id: str, tokens: int) -> None:
+        d = self._decodes.get(request_id)
+        if d is not None:
+            d.generated += tokens
+            self.kv_tokens += tokens
+
+    def end_decode(self, request_id: str) -> None:
+        d = self._decodes.pop(request_id, None)
+        if d is not None:
+            self.kv_tokens -= d.prompt_tokens + d.generated
+
+    def running(self) -> int:
+        return len(self._decodes)
+
+    # ------------------------------------------------------------------ view
+
+    def in_flight(self) -> int:
+        return len(self._prefills) + len(self._decodes.keys() - self._prefills.keys())
+
+    def view(self, cached_blocks: int = 0) -> InstanceLoad:
+        return InstanceLoad(
+            instance_id=self.instance_id,
+            role=self.role,
+            in_flight=self.in_flight(),
+            queued_prompt_tokens=self.queued_prompt_tokens,
+            block_size=self.block_size,
+            queued_uncached_tokens=self.queued_uncached_tokens,
+            busy_until=self._head_started + self._work_s if self._prefills else 0.0,
+            running=len(self._decodes),
+            kv_tokens=self.kv_tokens,
+            kv_capacity_tokens=self.kv_capacity_tokens,
+            finishes=tuple(sorted(d.finish_at for d in self._decodes.values())),
+            cached_blocks=cached_blocks,
+        )

@@ -1,0 +1,59 @@
+"""How long a prefill takes: a model fitted to the prefill timings the workers report.
+
+`t(u, c) = base + per_token * u + per_attn * u * (c + u / 2)` for `u` computed (uncached)
+tokens after a cached prefix of `c` tokens: a fixed step cost, the linear layers, and the
+attention of every new token to everything before it. Mooncake fits such a model offline;
+here it starts from a prior and is refitted online from `PrefillReply.engine_seconds`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from conductor.scheduler.regression import Observations
+
+
+@dataclass(frozen=True)
+class PrefillTimeModel:
+    base_s: float = 0.01
+    per_token_s: float = 1e-4
+    per_attn_s: float = 1e-8
+
+    def predict(self, uncached: int, cached: int) -> float:
+        """Seconds to compute `uncached` tokens after `cached` tokens of prefix."""
+        attn = self.per_attn_s * (cached + uncached / 2)
+        return self.base_s + uncached * (self.per_token_s + attn)
+
+    def coefficients(self) -> tuple[float, float, float]:
+        return (self.base_s, self.per_token_s, self.per_attn_s)
+
+
+def features(uncached: int, cached: int) -> tuple[float, float, float]:
+    return (1.0, float(uncached), uncached * (cached + uncached / 2))
+
+
+class PrefillTimeFitter:
+    """Collects (uncached, cached, seconds) observations and refits every `every` of them."""
+
+    def __init__(self, prior: PrefillTimeModel | None = None, capacity: int = 256,
+                 every: int = 4) -> None:
+        self.prior = prior or PrefillTimeModel()
+        self.model = self.prior
+        self._obs = Observations(capacity)
+        self._every = every
+
+    def observe(self, uncached: int, cached: int, seconds: float, exact: bool = True) -> None:
+        """One timing; `exact=False` for an inter-departure estimate, which batched
+        completions can make arbitrarily short: those under a quarter of the current
+        prediction are dropped."""
+        if uncached <= 0 or seconds <= 0:
+            return
+        if not exact and seconds < 0.25 * self.model.predict(uncached, cached):
+            return
+        self._obs.add(features(uncached, cached), seconds)
+        if self._obs.added % self._every == 0 or self._obs.added <= 2:
+            self.model = PrefillTimeModel(*self._obs.fit(self.prior.coefficients()))
+
+    @property
+    def observations(self) -> int:
+        return self._obs.added

@@ -1,0 +1,249 @@
+"""What the pipeline calls to place a request: look its blocks up in the KV index, freeze a
+snapshot, ask the policy, and count the choice into the load model and the index's predicted
+overlay at once (dispatch time). The returned `Dispatch` reports the request's progress back
+(replies feed the index and refit the time models) and releases its load exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import structlog
+
+from conductor.config import ConductorConfig
+from conductor.errors import NoCapacity, Overloaded
+from conductor.policy import POLICIES
+from conductor.registry import Instance, Registry
+from conductor.scheduler.decode_model import TbtFitter
+from conductor.scheduler.index import POOL, KVIndex
+from conductor.scheduler.prefill_model import PrefillTimeFitter
+from conductor.snapshot import ClusterSnapshot, Reject, Route, RouteRequest, SchedulerParams
+from store.block_hash import extend_hashes
+
+log = structlog.get_logger(__name__)
+
+_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
+                "float8": 1, "fp8": 1}
+
+
+def kv_block_bytes(model_dir: str, block_size: int, dtype: str | None = None) -> int:
+    """Bytes of one KV block of `block_size` tokens, all layers (from the model's config)."""
+    cfg = json.loads(Path(model_dir, "config.json").read_text())
+    layers = int(cfg.get("num_hidden_layers", 1))
+    heads = int(cfg.get("num_attention_heads", 1))
+    kv_heads = int(cfg.get("num_key_value_heads", heads))
+    head_dim = int(cfg.get("head_dim") or cfg.get("hidden_size", 64) // heads)
+    name = dtype or cfg.get("dtype") or cfg.get("torch_dtype") or "float16"
+    return 2 * layers * kv_heads * head_dim * _DTYPE_BYTES.get(str(name), 2) * block_size
+
+
+@dataclass
+class Counters:
+    routed: int = 0
+    rejected: int = 0
+    local_prefills: int = 0
+    predicted_hit_tokens: int = 0
+    reported_hit_tokens: int = 0
+    """Prefill-side cache hits: as predicted at dispatch, and as the engines reported."""
+
+
+class Router:
+    def __init__(self, config: ConductorConfig, registry: Registry,
+                 block_bytes: int | None = None) -> None:
+        self.config = config
+        self.registry = registry
+        self.policy = POLICIES[config.policy]
+        self.index = KVIndex(config.index_max_blocks, config.predicted_ttl_s)
+        self.prefill_fit = PrefillTimeFitter()
+        self.tbt_fit = TbtFitter()
+        self.counters = Counters()
+        self._block_bytes = block_bytes
+        self._base = SchedulerParams(ttft_slo_s=config.ttft_slo_s, tbt_slo_s=config.tbt_slo_s,
+                                     local_prefill_max_tokens=config.local_prefill_max_tokens)
+        self._params: SchedulerParams | None = None
+        self._seq = 0
+        self.follower = None
+        if config.kv_events:
+            from conductor.scheduler.events import KvEventFollower
+
+            self.follower = KvEventFollower(self.index)
+        registry.listen(self)
+
+    # ------------------------------------------------------------------ membership
+
+    def instance_joined(self, inst: Instance) -> None:
+        self.index.add_location(inst.instance_id)
+        self._params = None
+        if self.follower is not None:
+            self.follower.follow(inst)
+
+    def instance_left(self, inst: Instance) -> None:
+        if self.follower is not None:
+            self.follower.unfollow(inst.instance_id)
+        self.index.remove_location(inst.instance_id)
+
+    # ------------------------------------------------------------------ deciding
+
+    def params(self, block_size: int) -> SchedulerParams:
+        """The SLOs with the current fitted models; rebuilt only when a model changed."""
+        p = self._params
+        if p is None or p.prefill is not self.prefill_fit.model or p.tbt is not self.tbt_fit.model:
+            bb = self._block_bytes or kv_block_bytes(self.config.model, block_size)
+            self._block_bytes = bb
+            p = self._params = replace(self._base, prefill=self.prefill_fit.model,
+                                       tbt=self.tbt_fit.model,
+                                       transfer_s_per_block=bb / (self.config.pool_gbps * 1e9))
+        return p
+
+    def snapshot(self, now: float, block_size: int) -> ClusterSnapshot:
+        cached = {name: self.index.blocks(name) for name in self.index.locations()}
+        return self.registry.snapshot(now, self.params(block_size), cached)
+
+    def route(self, request_id: str, token_ids: list[int], block_hashes: tuple[int, ...],
+              max_tokens: int, block_size: int, cache_salt: str = "",
+              ttft_slo_s: float | None = None, tbt_slo_s: float | None = None) -> Dispatch:
+        """Choose where the request runs and count it there; raise Overloaded (429) or
+        NoCapacity (503) instead when it cannot be placed."""
+        now = time.monotonic()
+        self.index.expire(now)
+        snap = self.snapshot(now, block_size)
+        self._seq += 1
+        req = RouteRequest(len(token_ids), block_hashes, self.index.match(block_hashes),
+                           max_tokens, self._seq, ttft_slo_s, tbt_slo_s)
+        decision = self.policy(snap, req)
+        if decision is None:
+            missing = [role for role, have in (("prefill", snap.prefill()),
+                                               ("decode", snap.decode())) if not have]
+            raise NoCapacity(f"no {' or '.join(missing) or 'suitable'}-capable instance is up; "
+                             "retry later")
+        if isinstance(decision, Reject):
+            self.counters.rejected += 1
+            log.info("rejected", request_id=request_id, reason=decision.reason,
+                     retry_after_s=round(decision.retry_after_s, 3))
+            raise Overloaded(decision.reason, code="slo_unattainable",
+                             retry_after=decision.retry_after_s)
+        p, d = self.registry.get(decision.prefill_id), self.registry.get(decision.decode_id)
+        if p is None or d is None:
+            raise NoCapacity("the chosen instance left the cluster")
+        tail = list(token_ids[len(block_hashes) * block_size:])
+        return Dispatch(self, decision, p, d, request_id, len(token_ids), tail, block_hashes,
+                        block_size, cache_salt, max_tokens, now)
+
+
+@dataclass(eq=False)
+class Dispatch:
+    """One routed request's footprint in the load model and the index, until `release()`."""
+
+    router: Router
+    route: Route
+    prefill: Instance
+    decode: Instance
+    request_id: str
+    num_prompt_tokens: int
+    prompt_tail: list[int]
+    """The prompt's tokens after its last full block: the generated ones extend them."""
+    block_hashes: tuple[int, ...]
+    block_size: int
+    cache_salt: str
+    max_tokens: int
+    started: float
+    _prefill_open: bool = True
+    _decode_open: bool = True
+    _solo: bool = False
+    _first_token_at: float = 0.0
+    _last_token_at: float = 0.0
+    _tokens: int = 0
+    _batch_sum: int = 0
+    _kv_sum: int = 0
+    _output: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        r, now, idx = self.route, self.started, self.router.index
+        n = self.num_prompt_tokens
+        p, d = self.prefill.load, self.decode.load
+        self._solo = p.prefills_in_flight() == 0
+        p.add_prefill(self.request_id, n, r.uncached_tokens, r.prefill_s, now)
+        finish = now + r.predicted_ttft_s + self.max_tokens * r.predicted_tbt_s
+        d.add_decode(self.request_id, n, finish)
+        # what this request will leave behind, until events or replies confirm it
+        idx.predict(self.prefill.instance_id, self.block_hashes, now)
+        idx.predict(POOL, self.block_hashes, now)
+        if r.disaggregated:
+            idx.predict(self.decode.instance_id, self.block_hashes, now)
+        c = self.router.counters
+        c.routed += 1
+        c.local_prefills += not r.disaggregated
+        c.predicted_hit_tokens += r.cached_blocks * self.block_size
+        log.info("routed", request_id=self.request_id, prefill=r.prefill_id, decode=r.decode_id,
+                 prompt_tokens=n, cached_blocks=r.cached_blocks, local_prefill=not r.disaggregated,
+                 predicted_ttft_s=round(r.predicted_ttft_s, 4),
+                 predicted_tbt_s=round(r.predicted_tbt_s, 4))
+
+    def prefill_done(self, num_prompt_tokens: int, num_cached_tokens: int, blocks_in_pool: int,
+                     engine_seconds: float) -> None:
+        """The prefill instance's reply: its engine's cache hit, what the pool now holds, and a
+        timing for the prefill model: the engine's own when the request ran alone, else the
+        time since the instance's previous completion (a busy server's inter-departure time
+        is its service time), so the model follows the machine during bursts too."""
+        now = time.monotonic()
+        p = self.prefill.load
+        solo = self._solo and p.prefills_in_flight() == 1
+        service = p.service_time(now)
+        self._end_prefill(now)
+        idx = self.router.index
+        idx.store(self.prefill.instance_id, self.block_hashes)
+        idx.store(POOL, self.block_hashes[:blocks_in_pool])
+        self.router.counters.reported_hit_tokens += num_cached_tokens
+        self.router.prefill_fit.observe(num_prompt_tokens - num_cached_tokens, num_cached_tokens,
+                                        engine_seconds if solo else service, exact=solo)
+
+    def first_token(self) -> None:
+        now = time.monotonic()
+        self._first_token_at = self._last_token_at = now
+        if self._prefill_open:  # prefilled by the decode instance itself
+            self._end_prefill(now)
+
+    def tokens(self, token_ids: list[int], record: bool = True) -> None:
+        """New output tokens; `record`: they extend the sequence the decode cache will hold
+        (one choice's only, when several are sampled)."""
+        if not token_ids:
+            return
+        self._tokens += len(token_ids)
+        self._last_token_at = time.monotonic()
+        d = self.decode.load
+        d.decode_progress(self.request_id, len(token_ids))
+        self._batch_sum += d.running()
+        self._kv_sum += d.kv_tokens
+        if record and len(self._output) < self.max_tokens:
+            self._output.extend(token_ids)
+
+    def decode_done(self) -> None:
+        """The stream ended normally: the decode instance's cache holds the whole sequence."""
+        hashes = self.block_hashes
+        if self._output:
+            hashes = hashes + tuple(extend_hashes(hashes[-1] if hashes else None,
+                                                  self.prompt_tail + self._output,
+                                                  self.block_size, self.cache_salt))
+        self.router.index.store(self.decode.instance_id, hashes)
+        steps = self._tokens - 1
+        if steps >= 2 and self._last_token_at > self._first_token_at:
+            n = self._tokens
+            self.router.tbt_fit.observe(self._batch_sum / n, self._kv_sum / n,
+                                        (self._last_token_at - self._first_token_at) / steps)
+        self.release()
+
+    def release(self) -> None:
+        """End the request's load wherever it is still counted; idempotent."""
+        now = time.monotonic()
+        if self._prefill_open:
+            self._end_prefill(now)
+        if self._decode_open:
+            self._decode_open = False
+            self.decode.load.end_decode(self.request_id)
+
+    def _end_prefill(self, now: float) -> None:
+        self._prefill_open = False
+        self.prefill.load.end_prefill(self.request_id, now)

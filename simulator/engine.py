@@ -1,0 +1,239 @@
+"""The event loop: requests arrive, the conductor's policy routes them from a snapshot built
+exactly as the live conductor builds it, and the cluster runs them.
+
+Per request: dispatch (load counted at once, as `conductor.scheduler.router.Dispatch` does)
+-> prefill on P (after P's queue; its local prefix or the pool's, whichever is longer, pulled
+at the transfer cost) -> the KV moves to D (the blocks D's cache lacks) -> D admits it to its
+batch when the KV fits -> one token per decode step; the first token's time is the TTFT.
+
+The conductor's view is its real `KVIndex`, fed as the workers feed it: predicted bits at
+dispatch, confirmed on prefill and decode completion, removed on every eviction. Its time
+models are the profile's (a perfectly fitted conductor).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from conductor.policy import Policy
+from conductor.scheduler.index import POOL, KVIndex
+from conductor.scheduler.load import LoadState
+from conductor.scheduler.policies.estimate import loadable_blocks
+from conductor.snapshot import ClusterSnapshot, Reject, RouteRequest, SchedulerParams
+from simulator.cluster import ClusterSpec, Instance, Job
+from simulator.pool import BlockCache
+from simulator.profile import LatencyProfile
+from simulator.trace import TraceRequest, block_hashes
+
+ARRIVE, DONE, JOIN = 0, 1, 2
+"""Event kinds; events at equal times run in the order they were scheduled."""
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    index: int
+    arrival_s: float
+    input_length: int
+    output_length: int
+    rejected: bool = False
+    ttft_s: float = float("nan")
+    tbt_s: float = float("nan")
+    """Mean time between tokens after the first (0 for a single-token output)."""
+    finish_s: float = float("nan")
+    cached_tokens: int = 0
+    """Prompt tokens the prefill engine did not compute (its own cache or the pool's)."""
+    pool_tokens: int = 0
+    prefill_id: str = ""
+    decode_id: str = ""
+
+
+class Simulation:
+    def __init__(self, trace: list[TraceRequest], profile: LatencyProfile, spec: ClusterSpec,
+                 policy: Policy, on_arrival: Callable[[], None] | None = None) -> None:
+        self.trace, self.profile, self.spec, self.policy = trace, profile, spec, policy
+        self.on_arrival = on_arrival
+        self.params = SchedulerParams(
+            ttft_slo_s=spec.ttft_slo_s, tbt_slo_s=spec.tbt_slo_s, prefill=profile.prefill,
+            tbt=profile.tbt, transfer_s_per_block=profile.transfer_s_per_block,
+            transfer_s_fixed=profile.transfer_s_fixed)
+        self.index = KVIndex(max_blocks=4_000_000)
+        self.pool = BlockCache(spec.pool_blocks, spec.eviction, self._evicted(POOL))
+        self.instances: list[Instance] = []
+        for iid, role in spec.roles():
+            self.index.add_location(iid)
+            cap = profile.kv_capacity_tokens
+            load = LoadState(iid, role, profile.block_size, cap if role != "prefill" else 0)
+            cache = BlockCache(profile.local_cache_blocks, spec.eviction, self._evicted(iid))
+            self.instances.append(Instance(iid, role, load, cache, cap))
+        self.by_id = {i.iid: i for i in self.instances}
+        self.results: list[RequestResult] = []
+        self.events: list[tuple[float, int, int, object]] = []
+        self._seq = 0
+        self.now = 0.0
+
+    def _evicted(self, name: str) -> Callable[[int], None]:
+        return lambda h: self.index.remove(name, (h,))
+
+    # ------------------------------------------------------------------ loop
+
+    def schedule(self, at: float, kind: int, what: object) -> None:
+        self._seq += 1
+        heapq.heappush(self.events, (at, self._seq, kind, what))
+
+    def run(self) -> list[RequestResult]:
+        for i, r in enumerate(self.trace):
+            self.schedule(r.arrival_s, ARRIVE, i)
+        while self.events:
+            self.now, _, kind, what = heapq.heappop(self.events)
+            if kind == ARRIVE:
+                self.arrive(what)  # type: ignore[arg-type]
+            elif kind == DONE:
+                self.done(what)  # type: ignore[arg-type]
+            else:
+                self.join(what)  # type: ignore[arg-type]
+        return sorted(self.results, key=lambda r: r.index)
+
+    # ------------------------------------------------------------------ routing
+
+    def snapshot(self) -> ClusterSnapshot:
+        idx = self.index
+        return ClusterSnapshot(tuple(i.load.view(idx.blocks(i.iid)) for i in self.instances),
+                               self.now, self.params)
+
+    def arrive(self, i: int) -> None:
+        if self.on_arrival is not None:
+            self.on_arrival()
+        r, now = self.trace[i], self.now
+        hashes = block_hashes(r, self.profile.block_size)
+        self.index.expire(now)
+        req = RouteRequest(r.input_length, hashes, self.index.match(hashes), r.output_length,
+                           i + 1)
+        decision = self.policy(self.snapshot(), req)
+        if decision is None or isinstance(decision, Reject):
+            self.results.append(RequestResult(i, r.arrival_s, r.input_length, r.output_length,
+                                              rejected=True))
+            return
+        p, d = self.by_id[decision.prefill_id], self.by_id[decision.decode_id]
+        job = Job(f"r{i}", i, r, hashes, decision, p, d)
+        p.load.add_prefill(job.rid, r.input_length, decision.uncached_tokens,
+                           decision.prefill_s, now)
+        d.load.add_decode(job.rid, r.input_length, now + decision.predicted_ttft_s
+                          + r.output_length * decision.predicted_tbt_s)
+        self.index.predict(p.iid, hashes, now)
+        if self.spec.use_pool:
+            self.index.predict(POOL, hashes, now)
+        if decision.disaggregated:
+            self.index.predict(d.iid, hashes, now)
+        p.queue.append(job)
+        self.kick(p)
+
+    # ------------------------------------------------------------------ executors
+
+    def kick(self, inst: Instance) -> None:
+        """Start the instance's next work if it is idle: a queued prefill, else a step."""
+        if inst.busy:
+            return
+        if inst.queue:
+            job = inst.queue.popleft()
+            seconds = self.start_prefill(inst, job)
+            inst.running_prefill = job
+        elif inst.batch:
+            inst.stepping = list(inst.batch)
+            seconds = self.profile.tbt.predict(len(inst.batch), inst.kv_tokens)
+        else:
+            return
+        inst.busy_s += seconds
+        self.schedule(self.now + seconds, DONE, inst)
+
+    def start_prefill(self, inst: Instance, job: Job) -> float:
+        """Seconds of the prefill: pull what the pool has beyond the local cache, compute the
+        rest. Hits are taken now, when it starts (a queued twin may have filled the cache)."""
+        prof, r, h = self.profile, job.req, job.hashes
+        bs = prof.block_size
+        loadable = loadable_blocks(r.input_length, bs)
+        local = min(inst.cache.match(h), loadable)
+        pool = min(self.pool.match(h), loadable) if self.spec.use_pool else 0
+        cached = max(local, pool)
+        inst.cache.touch(h[:local])
+        if pool > local:
+            self.pool.touch(h[:pool])
+        job.cached_tokens, job.pool_tokens = cached * bs, max(pool - local, 0) * bs
+        pull = prof.transfer_s_fixed + (pool - local) * prof.transfer_s_per_block \
+            if pool > local else 0.0
+        return pull + prof.prefill.predict(r.input_length - cached * bs, cached * bs)
+
+    def done(self, inst: Instance) -> None:
+        job = inst.running_prefill
+        if job is not None:
+            inst.running_prefill = None
+            self.end_prefill(inst, job)
+        else:
+            self.end_step(inst)
+        self.kick(inst)
+
+    def end_prefill(self, inst: Instance, job: Job) -> None:
+        h = job.hashes
+        inst.cache.insert(h)
+        self.index.store(inst.iid, h)
+        if self.spec.use_pool:
+            self.pool.insert(h)
+            self.index.store(POOL, h)
+        inst.load.end_prefill(job.rid, self.now)
+        d = job.decode
+        if d is inst:
+            self.join(job)
+            return
+        lack = len(h) - min(d.cache.match(h), len(h))
+        prof = self.profile
+        self.schedule(self.now + prof.transfer_s_fixed + lack * prof.transfer_s_per_block,
+                      JOIN, job)
+
+    def join(self, job: Job) -> None:
+        """The request's KV is on its decode instance: run it when it fits."""
+        d = job.decode
+        if d.waiting or not d.fits(job):
+            d.waiting.append(job)
+        else:
+            self.admit(d, job)
+        self.kick(d)
+
+    def admit(self, d: Instance, job: Job) -> None:
+        d.batch.append(job)
+        d.kv_tokens += job.req.input_length
+        d.kv_reserved += job.req.input_length + job.req.output_length
+
+    def end_step(self, inst: Instance) -> None:
+        now = self.now
+        stepping, inst.stepping = inst.stepping or [], None
+        inst.kv_tokens += len(stepping)
+        finished = []
+        for job in stepping:
+            job.generated += 1
+            if job.generated == 1:
+                job.first_token_at = now
+            job.last_token_at = now
+            inst.load.decode_progress(job.rid, 1)
+            if job.generated >= job.req.output_length:
+                finished.append(job)
+        for job in finished:
+            self.finish(inst, job)
+        while inst.waiting and inst.fits(inst.waiting[0]):
+            self.admit(inst, inst.waiting.popleft())
+
+    def finish(self, d: Instance, job: Job) -> None:
+        r = job.req
+        d.batch.remove(job)
+        d.kv_tokens -= r.input_length + job.generated
+        d.kv_reserved -= r.input_length + r.output_length
+        d.cache.insert(job.hashes)
+        self.index.store(d.iid, job.hashes)
+        d.load.end_decode(job.rid)
+        steps = job.generated - 1
+        self.results.append(RequestResult(
+            job.index, r.arrival_s, r.input_length, r.output_length,
+            ttft_s=job.first_token_at - r.arrival_s,
+            tbt_s=(job.last_token_at - job.first_token_at) / steps if steps else 0.0,
+            finish_s=self.now, cached_tokens=job.cached_tokens, pool_tokens=job.pool_tokens,
+            prefill_id=job.prefill.iid, decode_id=d.iid))

@@ -1,0 +1,134 @@
+"""Per-policy metrics from a run's request results, and their JSON, CSV and PNG forms.
+
+Definitions:
+- TTFT: arrival to the first output token on the decode instance (queueing, prefill, KV
+  transfer, decode admission and one step); percentiles over admitted requests.
+- TBT: a request's mean time between tokens after the first; percentiles over requests.
+- SLO attainment: requests with TTFT <= ttft_slo and TBT <= tbt_slo over ALL requests
+  (a rejected request misses).
+- goodput: those requests per second of the trace's arrival span.
+- hit ratio: prompt tokens the prefilling engine did not compute (taken from its own cache or
+  pulled from the pool) over the prompt tokens of admitted requests. The block holding the
+  prompt's last token is always computed, so it stays just under the trace's ideal ratio
+  (`trace.ideal_hit_ratio`: tokens in blocks whose whole prefix appeared before).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from simulator.engine import RequestResult
+
+
+@dataclass(frozen=True)
+class PolicyMetrics:
+    policy: str
+    label: str
+    requests: int
+    rejected: int
+    ttft_mean_s: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_p99_s: float
+    tbt_p90_s: float
+    tbt_p99_s: float
+    slo_attainment: float
+    goodput_rps: float
+    hit_ratio: float
+    pool_hit_ratio: float
+    """Of the prompt tokens, those pulled from the pool (not in the engine's own cache)."""
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); nan for no values."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
+
+
+def summarize(policy: str, results: Sequence[RequestResult], ttft_slo_s: float,
+              tbt_slo_s: float, label: str = "") -> PolicyMetrics:
+    ok = [r for r in results if not r.rejected]
+    ttft = [r.ttft_s for r in ok]
+    tbt = [r.tbt_s for r in ok]
+    good = sum(1 for r in ok if r.ttft_s <= ttft_slo_s and r.tbt_s <= tbt_slo_s)
+    arrivals = [r.arrival_s for r in results]
+    span = (max(arrivals) - min(arrivals)) if len(arrivals) > 1 else 1.0
+    prompt = sum(r.input_length for r in ok) or 1
+    return PolicyMetrics(
+        policy=policy, label=label or policy, requests=len(results),
+        rejected=len(results) - len(ok),
+        ttft_mean_s=sum(ttft) / len(ttft) if ttft else math.nan,
+        ttft_p50_s=percentile(ttft, 50), ttft_p90_s=percentile(ttft, 90),
+        ttft_p99_s=percentile(ttft, 99), tbt_p90_s=percentile(tbt, 90),
+        tbt_p99_s=percentile(tbt, 99),
+        slo_attainment=good / len(results) if results else math.nan,
+        goodput_rps=good / (span or 1.0),
+        hit_ratio=sum(r.cached_tokens for r in ok) / prompt,
+        pool_hit_ratio=sum(r.pool_tokens for r in ok) / prompt)
+
+
+def write_rows(rows: Sequence[dict], stem: Path) -> None:
+    """`stem`.json and `stem`.csv of flat dict rows."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(list(rows), indent=1) + "\n")
+    if rows:
+        with stem.with_suffix(".csv").open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+
+
+def metrics_rows(metrics: Sequence[PolicyMetrics], **extra: object) -> list[dict]:
+    return [{**extra, **asdict(m)} for m in metrics]
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_ttft_cdf(runs: dict[str, Sequence[RequestResult]], slo_s: float, path: Path,
+                  title: str) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, results in runs.items():
+        ttft = sorted(r.ttft_s for r in results if not r.rejected)
+        if ttft:
+            ax.plot(ttft, [(i + 1) / len(results) for i in range(len(ttft))], label=name)
+    ax.axvline(slo_s, color="grey", ls="--", lw=1, label=f"TTFT SLO {slo_s:g} s")
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s)")
+    ax.set_ylabel("fraction of all requests (rejected never arrive)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_lines(series: dict[str, tuple[Sequence[float], Sequence[float]]], xlabel: str,
+               ylabel: str, path: Path, title: str) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

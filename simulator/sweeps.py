@@ -1,0 +1,74 @@
+"""Runs and sweeps: one policy over a trace, load (time scale), pool capacity, prefix reuse."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from conductor.policy import POLICIES, Policy
+from conductor.scheduler.policies.estimate import loadable_blocks
+from conductor.scheduler.policies.kv_centric import kv_centric
+from conductor.snapshot import ClusterSnapshot, Reject, Route, RouteRequest
+from simulator.cluster import ClusterSpec
+from simulator.engine import RequestResult, Simulation
+from simulator.pool import BlockCache
+from simulator.profile import LatencyProfile
+from simulator.trace import TraceRequest, block_hashes, thinned_reuse, time_scaled
+
+POOL_POLICIES = ("kv_centric",)
+"""Policies that use the KV pool; the others see only the engines' own caches, as in the
+paper's routing study (random, load-balancing, local cache-aware vs. global KV-centric)."""
+
+
+def colocated(snap: ClusterSnapshot, req: RouteRequest) -> Route | Reject | None:
+    """The colocated baseline on instances that both prefill and decode: kv_centric's prefill
+    choice (best predicted TTFT with the local caches), and the decode on that same instance.
+    Our adapter: no conductor policy pins p == d for any prompt length."""
+    r = kv_centric(snap, req)
+    if not isinstance(r, Route) or not r.disaggregated:
+        return r
+    return replace(r, decode_id=r.prefill_id)
+
+
+def run_policy(trace: list[TraceRequest], profile: LatencyProfile, spec: ClusterSpec,
+               name: str, tick: Callable[[], None] | None = None,
+               pool: bool | None = None) -> list[RequestResult]:
+    """One run of a named policy (or `colocated`); the pool is on for POOL_POLICIES unless
+    `pool` says otherwise."""
+    policy: Policy = colocated if name == "colocated" else POLICIES[name]
+    use = name in POOL_POLICIES if pool is None else pool
+    spec = replace(spec, use_pool=spec.use_pool and use)
+    return Simulation(trace, profile, spec, policy, tick).run()
+
+
+def capacity_hit_ratio(trace: list[TraceRequest], block_size: int, capacity: int | None,
+                       eviction: str) -> float:
+    """Hit ratio of a pool alone that every prefill reads and writes, in arrival order:
+    loadable prefix tokens held / prompt tokens (no cluster, no timing)."""
+    cache = BlockCache(capacity, eviction)
+    hit = total = 0
+    for r in trace:
+        h = block_hashes(r, block_size)
+        k = min(cache.match(h), loadable_blocks(r.input_length, block_size))
+        cache.touch(h[:k])
+        cache.insert(h)
+        hit += k * block_size
+        total += r.input_length
+    return hit / total if total else 0.0
+
+
+def capacity_sweep(trace: list[TraceRequest], block_size: int, capacities: Sequence[int | None],
+                   evictions: Sequence[str] = ("lru", "lfu")) -> list[dict]:
+    return [{"eviction": ev, "capacity_blocks": cap if cap is not None else "unlimited",
+             "hit_ratio": capacity_hit_ratio(trace, block_size, cap, ev)}
+            for ev in evictions for cap in capacities]
+
+
+def load_runs(trace: list[TraceRequest], scales: Sequence[float]
+              ) -> list[tuple[float, list[TraceRequest]]]:
+    return [(s, time_scaled(trace, s)) for s in scales]
+
+
+def reuse_traces(trace: list[TraceRequest], keeps: Sequence[float]
+                 ) -> list[tuple[float, list[TraceRequest]]]:
+    return [(k, thinned_reuse(trace, k)) for k in keeps]

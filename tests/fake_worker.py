@@ -1,0 +1,214 @@
+"""A fake `Worker` gRPC service with explicit knobs, and the real conductor app over fakes,
+served from a thread: the endpoint's behaviour in milliseconds, without engines.
+
+The fake "generates" `w0 w1 w2 ...` (token ids 10, 11, ...), honours `n`, `max_tokens`,
+stop strings and logprobs, and counts what it was asked and what was cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import uvicorn
+
+from cluster.instance import InstanceInfo
+from cluster.ports import free_port
+from protos import worker_pb2, worker_pb2_grpc
+
+
+@dataclass
+class Knobs:
+    prefill_delay_s: float = 0.0
+    token_delay_s: float = 0.0
+    fail_after_chunks: int | None = None
+    """Decode fails (gRPC INTERNAL) after sending this many chunks."""
+    prefill_status: grpc.StatusCode | None = None
+    """Prefill fails with this status."""
+
+
+@dataclass
+class Counts:
+    prefills: int = 0
+    generates: int = 0
+    running: int = 0
+    aborted: int = 0
+    last_params: worker_pb2.SamplingParams | None = None
+    request_ids: list[str] = field(default_factory=list)
+
+
+class FakeWorker(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, knobs: Knobs) -> None:
+        self.knobs = knobs
+        self.counts = Counts()
+
+    async def Prefill(self, request, context):
+        self.counts.prefills += 1
+        self.counts.running += 1
+        self.counts.request_ids.append(request.request_id)
+        try:
+            await asyncio.sleep(self.knobs.prefill_delay_s)
+        except asyncio.CancelledError:
+            self.counts.aborted += 1
+            raise
+        finally:
+            self.counts.running -= 1
+        if self.knobs.prefill_status is not None:
+            await context.abort(self.knobs.prefill_status, "injected prefill failure")
+        return worker_pb2.PrefillReply(num_prompt_tokens=len(request.token_ids))
+
+    async def Generate(self, request, context):
+        p = request.params
+        self.counts.generates += 1
+        self.counts.running += 1
+        self.counts.last_params = p
+        self.counts.request_ids.append(request.request_id)
+        sent = 0
+        try:
+            texts = ["" for _ in range(p.n or 1)]
+            for step in range(p.max_tokens):
+                for index in range(p.n or 1):
+                    if texts[index] is None:
+                        continue
+                    if self.knobs.fail_after_chunks is not None \
+                            and sent >= self.knobs.fail_after_chunks:
+                        await context.abort(grpc.StatusCode.INTERNAL, "injected engine error")
+                    await asyncio.sleep(self.knobs.token_delay_s)
+                    yield self._chunk(p, request, step, index, texts, first=sent == 0)
+                    sent += 1
+        except asyncio.CancelledError:
+            self.counts.aborted += 1
+            raise
+        finally:
+            self.counts.running -= 1
+
+    def _chunk(self, p, request, step: int, index: int, texts: list, first: bool):
+        text = f"w{step} "
+        chunk = worker_pb2.GenerateChunk(token_ids=[10 + step], text=text, index=index)
+        if first:
+            chunk.num_prompt_tokens = len(request.token_ids)
+        if p.logprobs:
+            chunk.logprobs.append(-0.5)
+            top = chunk.top_logprobs.add()
+            top.top.add(token_id=10 + step, logprob=-0.5, token=text)
+            for j in range(p.logprobs):
+                top.top.add(token_id=1000 + j, logprob=-1.0 - j, token=f"alt{j}")
+        if first and p.HasField("prompt_logprobs"):
+            chunk.prompt_logprobs.add()
+            for t in request.token_ids[1:]:
+                chunk.prompt_logprobs.add().top.add(token_id=t, logprob=-2.0, token=f"p{t}")
+        texts[index] += text
+        hit = next((s for s in p.stop if s in texts[index]), None)
+        if hit is not None:
+            chunk.text = text[:text.find(hit)] if hit in text else ""
+            chunk.finish_reason, chunk.stop_str = "stop", hit
+            texts[index] = None
+        elif step == p.max_tokens - 1:
+            chunk.finish_reason = "length"
+        return chunk
+
+    async def Abort(self, request, context):
+        return worker_pb2.AbortReply(found=False)
+
+    async def Stats(self, request, context):
+        return worker_pb2.WorkerStats(running=self.counts.running,
+                                      aborted_total=self.counts.aborted)
+
+
+class StaticMembership:
+    def __init__(self, members: dict[str, InstanceInfo]) -> None:
+        self._members = members
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    def members(self) -> dict[str, InstanceInfo]:
+        return dict(self._members)
+
+
+class LocalConductor:
+    """The conductor app with fake workers (`roles`), in a thread of its own."""
+
+    def __init__(self, model_dir: str, roles: tuple[str, ...] = ("prefill", "decode"),
+                 knobs: Knobs | None = None, conductor_args: tuple[str, ...] = ()) -> None:
+        self.model_dir = model_dir
+        self.roles = roles
+        self.knobs = knobs or Knobs()
+        self.conductor_args = conductor_args
+        self.workers: dict[str, FakeWorker] = {}
+        self.addresses: dict[str, str] = {}
+        self.port = free_port()
+        self._thread: threading.Thread | None = None
+        self._server: uvicorn.Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def worker(self, role: str) -> FakeWorker:
+        return self.workers[f"{role}-0"]
+
+    def __enter__(self) -> LocalConductor:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while self._server is None or not self._server.started:
+            if self._error is not None:
+                raise RuntimeError("local conductor failed") from self._error
+            assert time.monotonic() < deadline, "local conductor did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._server is not None and self._loop is not None and self._stop is not None
+        self._server.should_exit = True
+        self._loop.call_soon_threadsafe(self._stop.set)
+        assert self._thread is not None
+        self._thread.join(timeout=15)
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as e:
+            self._error = e
+
+    async def _main(self) -> None:
+        from conductor.app import create_app
+        from conductor.config import parse_args
+
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        servers, members = [], {}
+        for role in self.roles:
+            iid = f"{role}-0"
+            fake = self.workers[iid] = FakeWorker(self.knobs)
+            server = grpc.aio.server()
+            worker_pb2_grpc.add_WorkerServicer_to_server(fake, server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            servers.append(server)
+            self.addresses[iid] = f"127.0.0.1:{port}"
+            members[iid] = InstanceInfo(instance_id=iid, role=role, address=f"127.0.0.1:{port}",
+                                        model="fake", block_size=32, capacity_tokens=1 << 20,
+                                        version="test")
+        config = parse_args(["--model", self.model_dir, "--etcd", "127.0.0.1:1",
+                             "--port", str(self.port), "--kv-events", "false",
+                             *self.conductor_args])
+        app = create_app(config, membership=lambda on_change: StaticMembership(members))
+        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
+                                                     loop="asyncio", log_level="warning",
+                                                     lifespan="on"))
+        serving = asyncio.ensure_future(self._server.serve())
+        await self._stop.wait()
+        await serving
+        for server in servers:
+            await server.stop(grace=None)

@@ -1,0 +1,313 @@
+"""The OpenAI endpoint over fake workers (tests/fake_worker.py): shapes, validation, errors,
+streaming, disconnects, API keys, metrics and the OpenAPI description, in seconds.
+
+The same behaviours on real engines are in tests/test_openai_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+from fake_worker import Knobs, LocalConductor
+
+MAX_MODEL_LEN = 2048
+
+
+@pytest.fixture(scope="module")
+def local(model_dir: str):
+    with LocalConductor(model_dir) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(local: LocalConductor) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{local.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def sse(text: str) -> list[str]:
+    """The `data:` payloads of an SSE body, in order."""
+    return [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+
+
+def wait_until(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+# ---------------------------------------------------------------- shapes
+
+
+def test_completion_with_usage_and_caller_request_id(client, local, model):
+    raw = client.completions.with_raw_response.create(
+        model=model, prompt="hello world", max_tokens=3, extra_headers={"X-Request-Id": "abc"})
+    out = raw.parse()
+    assert raw.headers["x-request-id"] == "cmpl-abc" == out.id
+    assert out.object == "text_completion" and out.model == model
+    assert out.choices[0].text == "w0 w1 w2 " and out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 3
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 3
+    assert "cmpl-abc" in local.worker("decode").counts.request_ids
+
+
+def test_chat_streams_role_then_content_then_usage_then_done(client, local, model):
+    r = httpx.post(f"{local.url}/v1/chat/completions", timeout=10, json={
+        "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "stream": True, "stream_options": {"include_usage": True}})
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = sse(r.text)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [c["choices"][0]["delta"]["content"] for c in chunks[1:3]] == ["w0 ", "w1 "]
+    assert chunks[2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+
+    stream = client.chat.completions.create(model=model, max_tokens=2, stream=True,
+                                            messages=[{"role": "user", "content": "hi"}])
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == "w0 w1 "
+
+
+def test_chat_renders_the_whole_conversation_with_the_template(client, local, model, tokenizer):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+    out = client.chat.completions.create(model=model, messages=messages, max_tokens=1,
+                                         extra_body={"return_token_ids": True})
+    rendered = tokenizer.hf.apply_chat_template(messages, tokenize=False,
+                                                add_generation_prompt=True)
+    expected = tokenizer.encode_text(rendered, add_special_tokens=False)
+    assert out.model_extra["prompt_token_ids"] == expected
+    assert out.choices[0].message.role == "assistant"
+    assert out.usage.prompt_tokens == len(expected)
+
+
+def test_n_choices_and_stop_strings(client, model):
+    out = client.completions.create(model=model, prompt="x", max_tokens=4, n=3,
+                                    temperature=1.0)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert out.usage.completion_tokens == 12
+    out = client.completions.create(model=model, prompt="x", max_tokens=8, stop=["w2"])
+    choice = out.choices[0]
+    assert choice.text == "w0 w1 " and choice.finish_reason == "stop"
+    assert choice.model_extra["stop_reason"] == "w2"
+
+
+def test_logprobs_in_both_formats(client, model):
+    out = client.completions.create(model=model, prompt="x", max_tokens=2, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert lp.tokens == ["w0 ", "w1 "] and lp.token_logprobs == [-0.5, -0.5]
+    assert lp.text_offset == [0, 3] and len(lp.top_logprobs[0]) == 3  # the chosen + top 2
+    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}],
+                                         max_tokens=1, logprobs=True, top_logprobs=2)
+    content = out.choices[0].logprobs.content[0]
+    assert content.token == "w0 " and len(content.top_logprobs) == 2
+    assert content.bytes == list(b"w0 ")
+
+
+def test_echo_prepends_the_prompt_with_its_logprobs(client, model, tokenizer):
+    out = client.completions.create(model=model, prompt="hello world", max_tokens=1, echo=True,
+                                    logprobs=0)
+    ids = tokenizer.encode_prompt("hello world")
+    choice = out.choices[0]
+    assert choice.text == "hello worldw0 "
+    assert len(choice.logprobs.tokens) == len(ids) + 1
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    out = client.completions.create(model=model, prompt="hello world", max_tokens=0, echo=True)
+    assert out.choices[0].text == "hello world"
+
+
+def test_max_tokens_is_clamped_to_the_context(client, local, model, tokenizer):
+    prompt_len = len(tokenizer.encode_prompt("hello world"))
+    client.completions.create(model=model, prompt="hello world", max_tokens=MAX_MODEL_LEN,
+                              extra_body={"stop": ["w1"]})
+    assert local.worker("decode").counts.last_params.max_tokens == MAX_MODEL_LEN - prompt_len
+    client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}],
+                                   stop=["w0"])
+    assert local.worker("decode").counts.last_params.max_tokens > MAX_MODEL_LEN - 64
+
+
+# ---------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"temperature": 2.5}, "temperature"),
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"n": 0}, "n"),
+    ({"n": 2, "temperature": 0}, "n"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": MAX_MODEL_LEN + 1}, "max_tokens"),
+    ({"min_tokens": 17}, "min_tokens"),
+    ({"stop": ""}, "stop"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop_token_ids": [10**6]}, "stop_token_ids"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": [10**6]}, "prompt"),
+    ({"prompt": "word " * 3000}, "input_tokens"),
+    ({"seed": 2**64}, "seed"),
+    ({"logit_bias": {"1": 2.0}}, "logit_bias"),
+])
+def test_bad_completion_requests_raise_bad_request(client, model, extra, param):
+    body = {"model": model, "prompt": "hello", "max_tokens": 16, **extra}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**{k: body.pop(k) for k in ("model", "prompt")},
+                                  extra_body=body)
+    err = e.value.body
+    assert e.value.status_code == 400 and err["param"] == param, err
+    assert set(err) >= {"message", "type", "param", "code"} and err["code"] == 400
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"content": "no role"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"tools": []}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ({"add_generation_prompt": True, "continue_final_message": True}, None),
+])
+def test_bad_chat_requests_raise_bad_request(client, model, extra, param):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=body.pop("messages"),
+                                       extra_body=body)
+    assert e.value.body["param"] == param, e.value.body
+
+
+def test_unknown_model_is_404_and_bad_json_is_400(client, local):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-model", prompt="x")
+    assert e.value.body == {"message": e.value.body["message"], "type": "NotFoundError",
+                            "param": "model", "code": 404}
+    for content in (b"{not json", b"[1, 2]", b""):
+        r = httpx.post(f"{local.url}/v1/completions", content=content,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+    r = httpx.get(f"{local.url}/v1/nothing-here")
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404
+
+
+# ---------------------------------------------------------------- failures
+
+
+def test_engine_error_mid_stream_is_an_error_event_then_done(model_dir):
+    with LocalConductor(model_dir, knobs=Knobs(fail_after_chunks=2)) as c:
+        r = httpx.post(f"{c.url}/v1/completions", timeout=10, json={
+            "prompt": "x", "max_tokens": 8, "stream": True})
+        events = sse(r.text)
+        assert r.status_code == 200 and events[-1] == "[DONE]"
+        assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == ["w0 ", "w1 "]
+        err = json.loads(events[2])["error"]
+        assert err["code"] == 502 and "injected engine error" in err["message"]
+        # Without streaming the same failure is an HTTP error, never a 200 with half a body.
+        r = httpx.post(f"{c.url}/v1/completions", json={"prompt": "x", "max_tokens": 8})
+        assert r.status_code == 502 and r.json()["error"]["type"] == "BadGatewayError"
+        # Before the first token: an HTTP error too, even when streaming.
+        c.knobs.fail_after_chunks = 0
+        r = httpx.post(f"{c.url}/v1/completions", json={"prompt": "x", "stream": True})
+        assert r.status_code == 502 and "error" in r.json()
+
+
+def test_no_decode_instance_is_503_and_not_ready(model_dir):
+    with LocalConductor(model_dir, roles=("prefill",)) as c:
+        assert httpx.get(f"{c.url}/health").status_code == 503
+        r = httpx.post(f"{c.url}/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 503
+        assert r.json()["error"]["type"] == "ServiceUnavailableError"
+        metrics = httpx.get(f"{c.url}/metrics").text
+        assert 'kvcluster_requests_total{endpoint="completions",status="503"} 1.0' in metrics
+
+
+def test_scheduler_overload_is_429_with_retry_after(model_dir):
+    with LocalConductor(model_dir, conductor_args=("--policy", "kv_centric",
+                                                   "--ttft-slo-s", "1e-9")) as c:
+        client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.RateLimitError) as e:
+            client.completions.create(model=c.model_dir.rstrip("/").split("/")[-1],
+                                      prompt="word " * 200)
+        assert int(e.value.response.headers["retry-after"]) >= 1
+        assert "kvcluster_rejections_total" in httpx.get(f"{c.url}/metrics").text
+
+
+def test_client_disconnect_aborts_prefill_and_decode(model_dir):
+    with LocalConductor(model_dir, knobs=Knobs(prefill_delay_s=30)) as c:
+        prefill, decode = c.worker("prefill"), c.worker("decode")
+        body = json.dumps({"prompt": "word " * 200, "max_tokens": 4}).encode()
+        with socket.create_connection(("127.0.0.1", c.port)) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                      b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            wait_until(lambda: prefill.counts.running == 1)
+        wait_until(lambda: prefill.counts.aborted == 1 and prefill.counts.running == 0)
+        assert decode.counts.generates == 0
+
+        c.knobs.prefill_delay_s, c.knobs.token_delay_s = 0.0, 0.01
+        with httpx.stream("POST", f"{c.url}/v1/completions", json={
+                "prompt": "word " * 200, "max_tokens": 1000, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            wait_until(lambda: decode.counts.running == 1)
+        wait_until(lambda: decode.counts.aborted == 1 and decode.counts.running == 0)
+        metrics = httpx.get(f"{c.url}/metrics").text
+        assert 'kvcluster_requests_total{endpoint="completions",status="499"} 2.0' in metrics
+
+
+# ---------------------------------------------------------------- auth, metrics, OpenAPI
+
+
+def test_api_key_guards_v1_only(model_dir):
+    with LocalConductor(model_dir, conductor_args=("--api-key", "sesame")) as c:
+        r = httpx.get(f"{c.url}/v1/models")
+        assert r.status_code == 401
+        assert r.json()["error"]["type"] == "AuthenticationError"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{c.url}/v1", api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=f"{c.url}/v1", api_key="sesame", max_retries=0)
+        assert good.completions.create(model=good.models.list().data[0].id, prompt="x",
+                                       max_tokens=1).choices[0].text == "w0 "
+        for path in ("/health", "/metrics", "/openapi.json"):
+            assert httpx.get(f"{c.url}{path}").status_code == 200, path
+        assert "bearer" in httpx.get(f"{c.url}/openapi.json").json()["components"][
+            "securitySchemes"]
+
+
+def test_metrics_cover_latency_tokens_and_load(client, local, model):
+    client.completions.create(model=model, prompt="x", max_tokens=3)
+    text = httpx.get(f"{local.url}/metrics").text
+    for name in ("kvcluster_time_to_first_token_seconds_count",
+                 "kvcluster_inter_token_latency_seconds_count",
+                 "kvcluster_e2e_request_latency_seconds_count",
+                 'kvcluster_requests_total{endpoint="completions",status="200"}',
+                 'kvcluster_instance_in_flight{instance="decode-0",role="decode"}',
+                 'kvcluster_instance_queued_prompt_tokens{instance="prefill-0",role="prefill"}',
+                 'kvcluster_cache_hit_ratio{source="pool"}',
+                 "kvcluster_generation_tokens_total"):
+        assert name in text, name
+
+
+def test_openapi_describes_both_endpoints(local):
+    doc = httpx.get(f"{local.url}/openapi.json").json()
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        op = doc["paths"][path]["post"]
+        assert op["requestBody"]["required"]
+        assert {"200", "400", "404", "429", "503"} <= set(op["responses"])
+        assert "text/event-stream" in op["responses"]["200"]["content"]
+    schemas = doc["components"]["schemas"]
+    assert "messages" in schemas["ChatCompletionRequest"]["properties"]
+    assert "logit_bias" not in schemas["CompletionRequest"]["properties"]  # not implemented

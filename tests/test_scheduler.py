@@ -1,0 +1,397 @@
+"""The scheduler's pure parts on factories: the KV index, the load model, the time models, and
+each routing policy's choice in constructed situations. No process, no clock: fast."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from conductor.config import POLICIES as CONFIG_POLICIES
+from conductor.policy import DEFAULT_POLICY, POLICIES
+from conductor.scheduler.decode_model import TbtFitter, TbtModel
+from conductor.scheduler.index import POOL, KVIndex
+from conductor.scheduler.load import LoadState
+from conductor.scheduler.policies.cache_aware import cache_aware
+from conductor.scheduler.policies.kv_centric import kv_centric
+from conductor.scheduler.policies.least_loaded import least_loaded
+from conductor.scheduler.policies.random_choice import random_choice
+from conductor.scheduler.policies.round_robin import round_robin
+from conductor.scheduler.prefill_model import PrefillTimeFitter, PrefillTimeModel
+from conductor.snapshot import (
+    ClusterSnapshot,
+    InstanceLoad,
+    PrefixMatch,
+    Reject,
+    Route,
+    RouteRequest,
+    SchedulerParams,
+)
+from store.block_hash import block_hashes
+
+BS = 32
+NOW = 1000.0
+
+
+# ---------------------------------------------------------------------- factories
+
+def inst(iid: str, role: str = "prefill", *, queue_s: float = 0.0, in_flight: int = 0,
+         running: int = 0, kv_tokens: int = 0, capacity: int = 0,
+         finishes: tuple[float, ...] = (), cached_blocks: int = 0) -> InstanceLoad:
+    """An instance whose prefill queue drains `queue_s` after NOW."""
+    return InstanceLoad(instance_id=iid, role=role, in_flight=in_flight, queued_prompt_tokens=0,
+                        block_size=BS, busy_until=NOW + queue_s if queue_s else 0.0,
+                        running=running, kv_tokens=kv_tokens, kv_capacity_tokens=capacity,
+                        finishes=finishes, cached_blocks=cached_blocks)
+
+
+def snap(*instances: InstanceLoad, **params: object) -> ClusterSnapshot:
+    """Conditional disaggregation off unless asked for: the tests of pairs see pairs."""
+    params.setdefault("local_prefill_max_tokens", 0)
+    return ClusterSnapshot(tuple(instances), NOW, SchedulerParams(**params))
+
+
+def request(tokens: int, pool: int = 0, max_tokens: int = 16, seq: int = 0,
+            **local: int) -> RouteRequest:
+    """A prompt of `tokens` tokens; `pool` and `local` (instance id=blocks) its cached prefix."""
+    hashes = tuple(range(1, tokens // BS + 1))
+    return RouteRequest(tokens, hashes, PrefixMatch(pool=pool, local=local),
+                        max_tokens=max_tokens, seq=seq)
+
+
+def pair(route: Route | Reject | None) -> tuple[str, str]:
+    assert isinstance(route, Route), route
+    return route.prefill_id, route.decode_id
+
+
+# ---------------------------------------------------------------------- configuration
+
+def test_config_and_policy_table_agree_and_default_is_kv_centric():
+    assert set(CONFIG_POLICIES) == set(POLICIES)
+    assert DEFAULT_POLICY == "kv_centric"
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_needs_both_roles(name):
+    policy = POLICIES[name]
+    assert policy(snap(inst("p0")), request(100)) is None
+    assert policy(snap(inst("d0", "decode")), request(100)) is None
+    route = policy(snap(inst("b0", "both")), request(100))
+    assert pair(route) == ("b0", "b0") and not route.disaggregated
+
+
+# ---------------------------------------------------------------------- kv_centric
+
+def test_long_local_hit_beats_a_short_queue():
+    """p0 holds 30 of the 32 blocks but is busy 50 ms; p1 is idle and holds nothing."""
+    s = snap(inst("p0", queue_s=0.05), inst("p1"), inst("d0", "decode"))
+    route = kv_centric(s, request(1024, p0=30))
+    assert pair(route) == ("p0", "d0")
+    assert route.cached_blocks == 30 and route.uncached_tokens == 1024 - 30 * BS
+
+
+def test_a_long_queue_outweighs_the_local_hit():
+    s = snap(inst("p0", queue_s=1.0), inst("p1"), inst("d0", "decode"))
+    route = kv_centric(s, request(1024, p0=30))
+    assert pair(route) == ("p1", "d0")
+    assert route.cached_blocks == 0
+
+
+def test_the_pool_serves_an_idle_instance_the_prefix_a_busy_one_holds():
+    """Global, not local, cache-awareness: p1 pulls the 30 blocks from the pool."""
+    s = snap(inst("p0", queue_s=0.05), inst("p1"), inst("d0", "decode"))
+    route = kv_centric(s, request(1024, pool=30, p0=30))
+    assert pair(route) == ("p1", "d0")
+    assert route.cached_blocks == 30
+
+
+def test_predicted_ttft_adds_queue_prefill_transfer_and_decode_step():
+    prm = SchedulerParams(tbt=TbtModel(0.01, 0.0, 0.0), local_prefill_max_tokens=0)
+    s = ClusterSnapshot((inst("p0", queue_s=0.2), inst("d0", "decode")), NOW, prm)
+    route = kv_centric(s, request(1024, pool=10))
+    compute = prm.prefill.predict(1024 - 10 * BS, 10 * BS)
+    pull_p = prm.transfer_s_fixed + 10 * prm.transfer_s_per_block
+    pull_d = prm.transfer_s_fixed + 31 * prm.transfer_s_per_block  # all but the last block
+    assert route.prefill_s == pytest.approx(compute)
+    assert route.predicted_ttft_s == pytest.approx(0.2 + compute + pull_p + pull_d + 0.01)
+
+
+def test_ties_keep_locality():
+    """Two idle instances predicted alike (the pool covers both): the one holding the prefix."""
+    s = snap(inst("p0"), inst("p1"), inst("d0", "decode"))
+    assert pair(kv_centric(s, request(1024, pool=30, p1=30))) == ("p1", "d0")
+
+
+def test_decode_affinity_prefers_the_instance_holding_the_prefix():
+    s = snap(inst("p0"), inst("d0", "decode", running=1), inst("d1", "decode", running=1))
+    assert pair(kv_centric(s, request(2048, pool=60, d1=60)))[1] == "d1"
+    assert pair(kv_centric(s, request(2048, pool=60)))[1] == "d0"
+
+
+def test_decode_balances_by_predicted_tbt():
+    s = snap(inst("p0"), inst("d0", "decode", running=20), inst("d1", "decode", running=3))
+    assert pair(kv_centric(s, request(512)))[1] == "d1"
+
+
+def test_tbt_violating_decode_is_skipped_for_one_within_slo():
+    """d0 holds the prefix but would run at 0.4 s per token: d1, within the SLO, wins."""
+    s = snap(inst("p0"), inst("d0", "decode", running=39), inst("d1", "decode", running=10),
+             tbt=TbtModel(0.0, 0.01, 0.0), tbt_slo_s=0.2)
+    route = kv_centric(s, request(1024, pool=31, d0=31))
+    assert pair(route) == ("p0", "d1")
+    assert route.predicted_tbt_s == pytest.approx(0.11)
+
+
+def test_decode_without_free_kv_is_skipped():
+    s = snap(inst("p0"), inst("d0", "decode", kv_tokens=9_000, capacity=10_000),
+             inst("d1", "decode", running=5, kv_tokens=1_000, capacity=10_000))
+    assert pair(kv_centric(s, request(1024, max_tokens=100)))[1] == "d1"
+
+
+def test_no_decode_within_tbt_slo_rejects_with_retry_after():
+    s = snap(inst("p0"), inst("d0", "decode", running=50, finishes=(NOW + 7.0,) * 50),
+             tbt=TbtModel(0.0, 0.01, 0.0), tbt_slo_s=0.2)
+    out = kv_centric(s, request(512))
+    assert isinstance(out, Reject) and "TBT" in out.reason
+    assert out.retry_after_s == pytest.approx(7.0)
+
+
+def test_ttft_slo_violation_rejects_before_any_work():
+    s = snap(inst("p0", queue_s=5.0), inst("p1", queue_s=3.0), inst("d0", "decode"),
+             ttft_slo_s=1.0)
+    out = kv_centric(s, request(512))
+    assert isinstance(out, Reject) and "TTFT" in out.reason
+    assert 2.0 <= out.retry_after_s <= 2.5  # roughly until p1's queue is short enough
+
+
+def test_per_request_slo_overrides_the_default():
+    s = snap(inst("p0", queue_s=3.0), inst("d0", "decode"), ttft_slo_s=1.0)
+    relaxed = dataclasses.replace(request(512), ttft_slo_s=10.0)
+    assert isinstance(kv_centric(s, relaxed), Route)
+
+
+def test_prediction_based_rejection_counts_decodes_finishing_before_arrival():
+    """d0 is over the TBT SLO now, but 30 of its requests end before this prefill does."""
+    finishes = (NOW + 0.5,) * 30 + (NOW + 60.0,) * 20
+    s = snap(inst("p0", queue_s=1.0), inst("d0", "decode", running=50, finishes=finishes),
+             tbt=TbtModel(0.0, 0.01, 0.0), tbt_slo_s=0.3)
+    route = kv_centric(s, request(512))
+    assert pair(route) == ("p0", "d0")
+    assert route.predicted_tbt_s == pytest.approx(0.21)
+
+
+@pytest.mark.parametrize("pool_blocks,local", [(5, True), (4, False)])
+def test_conditional_disaggregation_threshold(pool_blocks, local):
+    """200 tokens: 5 pooled blocks leave 40 uncached (<= 64: prefill on d0), 4 leave 72."""
+    s = snap(inst("p0"), inst("d0", "decode"), local_prefill_max_tokens=64)
+    route = kv_centric(s, request(200, pool=pool_blocks))
+    assert isinstance(route, Route)
+    assert route.disaggregated is not local
+    if local:
+        assert pair(route) == ("d0", "d0") and route.uncached_tokens == 40
+
+
+def test_conditional_disaggregation_off_at_zero():
+    s = snap(inst("p0"), inst("d0", "decode"), local_prefill_max_tokens=0)
+    assert kv_centric(s, request(40)).disaggregated
+
+
+def test_local_prefill_counts_the_decode_instances_own_prefill_queue():
+    s = snap(inst("p0"), inst("d0", "decode", queue_s=2.0), local_prefill_max_tokens=64)
+    assert kv_centric(s, request(40)).disaggregated
+
+
+# ---------------------------------------------------------------------- cache_aware
+
+def test_cache_aware_balanced_takes_the_best_match():
+    s = snap(inst("p0", in_flight=2), inst("p1", in_flight=4), inst("d0", "decode"))
+    assert pair(cache_aware(s, request(1024, p1=20)))[0] == "p1"
+
+
+def test_cache_aware_small_match_goes_to_the_emptiest_cache():
+    s = snap(inst("p0", cached_blocks=900), inst("p1", cached_blocks=100),
+             inst("d0", "decode"))
+    assert pair(cache_aware(s, request(1024, p0=3)))[0] == "p1"
+
+
+def test_cache_aware_imbalance_falls_back_to_best_match_among_least_loaded():
+    """p2 holds the prefix but is swamped; the plain least loaded (p0) would throw locality
+    away: p1, nearly as idle, holds part of it and wins."""
+    s = snap(inst("p0", in_flight=0), inst("p1", in_flight=3), inst("p2", in_flight=80),
+             inst("d0", "decode"))
+    assert pair(cache_aware(s, request(1024, p1=10, p2=30)))[0] == "p1"
+    assert pair(least_loaded(s, request(1024, p1=10, p2=30)))[0] == "p0"
+
+
+# ---------------------------------------------------------------------- the simple ones
+
+def test_round_robin_cycles_with_the_request_counter():
+    s = snap(inst("p0"), inst("p1"), inst("d0", "decode"))
+    assert [pair(round_robin(s, request(64, seq=i)))[0] for i in range(4)] == \
+        ["p0", "p1", "p0", "p1"]
+
+
+def test_random_is_spread_and_replayable():
+    s = snap(*(inst(f"p{i}") for i in range(4)), inst("d0", "decode"))
+    picks = [pair(random_choice(s, request(64, seq=i)))[0] for i in range(400)]
+    assert picks == [pair(random_choice(s, request(64, seq=i)))[0] for i in range(400)]
+    assert all(60 < picks.count(f"p{i}") < 140 for i in range(4))
+
+
+def test_least_loaded_fills_predictions():
+    s = snap(inst("p0", in_flight=2), inst("p1"), inst("d0", "decode"))
+    route = least_loaded(s, request(640, pool=10))
+    assert pair(route) == ("p1", "d0")
+    assert route.cached_blocks == 10 and route.predicted_ttft_s > route.prefill_s > 0
+
+
+# ---------------------------------------------------------------------- KV index
+
+def test_index_matches_the_longest_prefix_per_location():
+    idx = KVIndex()
+    for name in ("p0", "p1", "d0"):
+        idx.add_location(name)
+    h = list(range(100, 110))
+    idx.store(POOL, h[:8])
+    idx.store("p0", h[:3])
+    idx.store("p1", h)
+    idx.store("d0", h[1:])  # no first block: no prefix at all
+    m = idx.match(h)
+    assert m.pool == 8 and dict(m.local) == {"p0": 3, "p1": 10}
+    assert idx.match([1, 2, 3]) == PrefixMatch()
+
+
+def test_index_a_hole_ends_the_prefix():
+    idx = KVIndex()
+    idx.add_location("p0")
+    idx.store("p0", [1, 2, 3, 4])
+    idx.remove("p0", [3])
+    assert idx.match([1, 2, 3, 4]).local == {"p0": 2}
+
+
+def test_tenants_with_different_salts_share_no_blocks():
+    tokens = list(range(1024))
+    idx = KVIndex()
+    idx.add_location("p0")
+    idx.store("p0", block_hashes(tokens, BS, "tenant-a"))
+    assert idx.match(block_hashes(tokens, BS, "tenant-a")).local == {"p0": 32}
+    assert idx.match(block_hashes(tokens, BS, "tenant-b")) == PrefixMatch()
+    assert idx.match(block_hashes(tokens, BS)) == PrefixMatch()
+    s = snap(inst("p0", queue_s=0.05), inst("p1"), inst("d0", "decode"))
+    same = RouteRequest(1024, (), idx.match(block_hashes(tokens, BS, "tenant-a")))
+    other = RouteRequest(1024, (), idx.match(block_hashes(tokens, BS, "tenant-b")))
+    assert pair(kv_centric(s, same))[0] == "p0" and pair(kv_centric(s, other))[0] == "p1"
+
+
+def test_predicted_blocks_expire_unless_confirmed():
+    idx = KVIndex(ttl_s=5.0)
+    idx.add_location("p0")
+    idx.predict("p0", (1, 2, 3), now=10.0)
+    idx.predict(POOL, (1, 2, 3), now=10.0)
+    idx.store(POOL, [1, 2])  # the reply confirms two blocks in the pool
+    assert idx.match([1, 2, 3]) == PrefixMatch(pool=3, local={"p0": 3})
+    idx.expire(14.9)
+    assert idx.match([1, 2, 3]).pool == 3
+    idx.expire(15.0)
+    assert idx.match([1, 2, 3]) == PrefixMatch(pool=2)
+    assert idx.blocks("p0") == 0 and idx.blocks(POOL) == 2
+
+
+def test_index_memory_is_bounded_and_forgets_the_oldest():
+    idx = KVIndex(max_blocks=1000)
+    idx.add_location("p0")
+    for start in range(0, 5000, 100):
+        idx.store("p0", range(start, start + 100))
+    assert len(idx) <= 1000 and idx.evicted >= 4000
+    assert idx.blocks("p0") == len(idx)
+    assert idx.match([4999]).local == {"p0": 1} and idx.match([0]) == PrefixMatch()
+
+
+def test_restored_blocks_are_refreshed_against_eviction():
+    idx = KVIndex(max_blocks=100)
+    idx.add_location("p0")
+    idx.store("p0", range(100))
+    idx.store("p0", [0])  # touched again: now the most recent
+    idx.store("p0", range(100, 150))
+    assert idx.match([0]).local == {"p0": 1} and idx.match([1]) == PrefixMatch()
+
+
+def test_a_leaving_instance_is_forgotten_and_its_slot_reused():
+    idx = KVIndex()
+    idx.add_location("p0")
+    idx.store("p0", [1, 2])
+    idx.store(POOL, [1, 2])
+    idx.remove_location("p0")
+    assert idx.match([1, 2]) == PrefixMatch(pool=2)
+    assert idx.add_location("p9") == 1 and idx.match([1, 2]).local == {}
+
+
+# ---------------------------------------------------------------------- load model
+
+def test_prefill_queue_is_a_self_correcting_fifo():
+    load = LoadState("p0", "prefill", BS)
+    load.add_prefill("a", 100, 100, 1.0, now=0.0)
+    load.add_prefill("b", 100, 60, 0.5, now=0.2)
+    assert load.view().busy_until == pytest.approx(1.5)
+    assert load.view().queued_uncached_tokens == 160
+    load.end_prefill("a", now=0.6)  # finished early: b starts now
+    assert load.view().busy_until == pytest.approx(1.1)
+    load.end_prefill("b", now=1.0)
+    v = load.view()
+    assert v.busy_until == 0.0 and v.in_flight == 0 and v.queued_prompt_tokens == 0
+
+
+def test_decode_load_counts_from_dispatch_and_releases():
+    load = LoadState("d0", "decode", BS, kv_capacity_tokens=4096)
+    load.add_decode("a", 300, finish_at=5.0)
+    load.add_decode("b", 200, finish_at=3.0)
+    load.decode_progress("a", 10)
+    v = load.view()
+    assert (v.running, v.kv_tokens, v.finishes) == (2, 510, (3.0, 5.0))
+    load.end_decode("a")
+    load.end_decode("a")
+    assert load.view().kv_tokens == 200
+
+
+def test_a_local_prefill_is_one_request_in_flight():
+    load = LoadState("d0", "decode", BS)
+    load.add_prefill("a", 40, 40, 0.01, now=0.0)
+    load.add_decode("a", 40, finish_at=1.0)
+    assert load.view().in_flight == 1 and load.dispatched_total == 1
+
+
+# ---------------------------------------------------------------------- time models
+
+def test_prefill_model_refits_to_observed_timings():
+    truth = PrefillTimeModel(0.02, 3e-4, 2e-8)
+    fit = PrefillTimeFitter(PrefillTimeModel(0.01, 1e-4, 1e-8))
+    for u, c in [(100, 0), (500, 0), (1000, 0), (200, 800), (50, 1500), (900, 100)] * 5:
+        fit.observe(u, c, truth.predict(u, c))
+    for u, c in [(300, 0), (700, 500)]:
+        assert fit.model.predict(u, c) == pytest.approx(truth.predict(u, c), rel=0.05)
+
+
+def test_prefill_model_keeps_its_prior_until_observed():
+    prior = PrefillTimeModel(0.01, 1e-4, 1e-8)
+    fit = PrefillTimeFitter(prior)
+    assert fit.model == prior
+    fit.observe(0, 100, 1.0)  # nothing computed: no evidence
+    assert fit.model == prior
+
+
+def test_tbt_model_refits():
+    truth = TbtModel(0.004, 0.002, 1e-6)
+    fit = TbtFitter(TbtModel(0.01, 0.001, 1e-7))
+    for n, kv in [(1, 200), (4, 1000), (16, 5000), (32, 9000), (8, 20000)] * 4:
+        fit.observe(n, kv, truth.predict(n, kv))
+    assert fit.model.predict(10, 4000) == pytest.approx(truth.predict(10, 4000), rel=0.05)
+
+
+def test_extending_a_chain_equals_hashing_the_whole_sequence():
+    from store.block_hash import extend_hashes
+
+    tokens = list(range(7, 7 + 10 * BS + 5))
+    whole = block_hashes(tokens, BS, "s")
+    head = block_hashes(tokens[:4 * BS + 3], BS, "s")
+    assert head + extend_hashes(head[-1], tokens[4 * BS:], BS) == whole
+    assert extend_hashes(None, tokens, BS, "s") == whole

@@ -1,0 +1,174 @@
+"""The scheduler's stateful seams without engines: the router's dispatch-time accounting and
+early rejection over a real registry, the conductor's KV event follower, and the worker's
+relay that re-keys vLLM's KV events into the conductor's block hashes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from cluster.instance import InstanceInfo
+from conductor.config import ConductorConfig
+from conductor.errors import NoCapacity, Overloaded
+from conductor.registry import Registry
+from conductor.scheduler.events import KvEventFollower
+from conductor.scheduler.index import POOL, KVIndex
+from conductor.scheduler.router import Router, kv_block_bytes
+from protos import worker_pb2
+from store.block_hash import block_hashes
+
+BS = 32
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> str:
+    cfg = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "hidden_size": 256, "head_dim": 64, "dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+def _member(iid: str, role: str, port: int) -> InstanceInfo:
+    return InstanceInfo(instance_id=iid, role=role, address=f"127.0.0.1:{port}", model="m",
+                        block_size=BS, capacity_tokens=100_000, version="t")
+
+
+async def _router(model_dir: str, **config: object) -> tuple[Router, Registry]:
+    registry = Registry()
+    router = Router(ConductorConfig(model=model_dir, etcd="127.0.0.1:1", kv_events=False,
+                                    **config), registry)
+    registry.sync({"p0": _member("p0", "prefill", 1), "p1": _member("p1", "prefill", 2),
+                   "d0": _member("d0", "decode", 3)})
+    return router, registry
+
+
+def test_block_bytes_follow_the_model_geometry(model_dir):
+    assert kv_block_bytes(model_dir, BS) == 2 * 4 * 2 * 64 * 4 * BS
+
+
+async def test_dispatch_counts_load_at_once_and_releases_it_once(model_dir):
+    router, registry = await _router(model_dir)
+    tokens = list(range(1000))
+    hashes = tuple(block_hashes(tokens, BS))
+    first = router.route("a", tokens, hashes, 16, BS)
+    p, d = first.prefill.load, first.decode.load
+    assert p.prefills_in_flight() == 1 and d.running() == 1 and d.kv_tokens == 1000
+    # the next identical request sees the first one's queue and its predicted blocks
+    second = router.route("b", tokens, hashes, 16, BS)
+    assert second.prefill.instance_id != first.prefill.instance_id or second.route.cached_blocks
+    assert router.index.match(hashes).pool == len(hashes)
+    first.prefill_done(1000, 0, len(hashes), 0.2)
+    first.first_token()
+    first.tokens([5, 6, 7])
+    first.decode_done()
+    first.release()
+    assert p.prefills_in_flight() == (1 if second.prefill.load is p else 0)
+    second.release()
+    second.release()
+    assert all(i.load.in_flight() == 0 and i.load.kv_tokens == 0 for i in registry.all())
+    assert router.counters.routed == 2
+    await registry.close()
+
+
+async def test_decode_done_indexes_the_generated_blocks_for_the_next_turn(model_dir):
+    router, registry = await _router(model_dir)
+    prompt = list(range(100))
+    hashes = tuple(block_hashes(prompt, BS))
+    dispatch = router.route("a", prompt, hashes, 64, BS)
+    output = list(range(500, 540))
+    dispatch.first_token()
+    dispatch.tokens(output)
+    dispatch.decode_done()
+    turn2 = block_hashes(prompt + output + [7] * 30, BS)
+    assert router.index.match(turn2).local[dispatch.decode.instance_id] == (100 + 40) // BS
+    await registry.close()
+
+
+async def test_overload_raises_429_with_retry_after_and_counts_nothing(model_dir):
+    router, registry = await _router(model_dir, ttft_slo_s=0.5)
+    admitted = []
+    with pytest.raises(Overloaded) as e:
+        for i in range(50):  # distinct prompts: no request helps the next one's cache
+            tokens = list(range(i * 1500, (i + 1) * 1500))
+            admitted.append(router.route(f"r{i}", tokens, tuple(block_hashes(tokens, BS)), 16,
+                                         BS))
+    assert e.value.retry_after >= 1 and "SLO" in e.value.message
+    assert admitted and router.counters.rejected == 1
+    assert sum(i.load.prefills_in_flight() for i in registry.all()) == len(admitted)
+    assert sum(i.load.running() for i in registry.all()) == len(admitted)
+    await registry.close()
+
+
+async def test_no_decode_instance_is_503(model_dir):
+    registry = Registry()
+    router = Router(ConductorConfig(model=model_dir, etcd="127.0.0.1:1", kv_events=False),
+                    registry)
+    registry.sync({"p0": _member("p0", "prefill", 1)})
+    with pytest.raises(NoCapacity, match="decode"):
+        router.route("a", [1, 2, 3], (), 4, BS)
+    await registry.close()
+
+
+async def test_a_leaving_instance_leaves_the_index(model_dir):
+    router, registry = await _router(model_dir)
+    router.index.store("p0", [1, 2, 3])
+    registry.sync({"p1": _member("p1", "prefill", 2), "d0": _member("d0", "decode", 3)})
+    assert "p0" not in router.index.locations() and router.index.match([1, 2, 3]).local == {}
+    await registry.close()
+
+
+# ---------------------------------------------------------------------- event follower
+
+def test_follower_applies_reset_evictions_then_stores():
+    index = KVIndex()
+    index.add_location("p0")
+    index.store("p0", [9, 10])
+    follower = KvEventFollower(index)
+    follower.apply("p0", worker_pb2.KvEventBatch(reset=True, stored=[1, 2, 3]))
+    assert index.match([9]).local == {} and index.match([1, 2, 3]).local == {"p0": 3}
+    follower.apply("p0", worker_pb2.KvEventBatch(removed=[3], stored=[4]))
+    assert index.match([1, 2, 3]).local == {"p0": 2} and index.match([4]).local == {"p0": 1}
+    assert index.blocks(POOL) == 0
+
+
+# ---------------------------------------------------------------------- worker relay
+
+def _stored(hashes: list, parent, tokens: list[int], salt: str | None = None):
+    from vllm.distributed.kv_events import BlockStored
+
+    extra = [(salt,) if salt and i == 0 and parent is None else None for i in range(len(hashes))]
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
+                       block_size=BS, lora_id=None, medium="GPU", lora_name=None,
+                       extra_keys=extra)
+
+
+async def test_relay_rekeys_vllm_events_into_the_conductors_hashes():
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved
+
+    from worker.kv_events import KvEventRelay
+
+    relay = KvEventRelay(BS)
+    try:
+        tokens = list(range(1000, 1000 + 4 * BS))
+        ours = block_hashes(tokens, BS, "tenant")
+        stream = relay.stream()
+        assert (await anext(stream)).reset
+        relay._apply([_stored([b"a", b"b"], None, tokens[:2 * BS], "tenant"),
+                      _stored([b"c", b"d"], b"b", tokens[2 * BS:])])
+        batch = await anext(stream)
+        assert list(batch.stored) == ours and not batch.reset
+        relay._apply([BlockRemoved(block_hashes=[b"d"], medium="GPU"),
+                      _stored([b"x"], b"unknown", tokens[:BS])])  # parent never seen: skipped
+        batch = await anext(stream)
+        assert list(batch.removed) == ours[3:] and not batch.stored
+        assert relay.untranslatable == 1
+        late = relay.stream()  # a new subscriber starts from everything cached now
+        assert set((await anext(late)).stored) == set(ours[:3])
+        relay._apply([AllBlocksCleared()])
+        assert (await anext(stream)).reset and relay.blocks() == 0
+        await asyncio.wait_for(late.aclose(), 1)
+    finally:
+        relay.stop()
