@@ -39,6 +39,8 @@ class Prepared:
     request_id: str
     token_ids: list[int]
     max_tokens: int
+    block_size: int
+    """The block size the hashes were cut with; routing uses the same one."""
     block_hashes: tuple[int, ...]
     params: worker_pb2.SamplingParams
     cache_salt: str
@@ -105,11 +107,13 @@ class Pipeline:
     def prepare(self, request_id: str, token_ids: list[int],
                 params: worker_pb2.SamplingParams, cache_salt: str = "") -> Prepared:
         """A request the HTTP layer validated, tokenized and parameterised, with its hashes."""
+        block_size = self.block_size()
         return Prepared(
             request_id=request_id,
             token_ids=token_ids,
             max_tokens=params.max_tokens,
-            block_hashes=tuple(block_hashes(token_ids, self.block_size(), cache_salt)),
+            block_size=block_size,
+            block_hashes=tuple(block_hashes(token_ids, block_size, cache_salt)),
             params=params,
             cache_salt=cache_salt,
         )
@@ -117,7 +121,7 @@ class Pipeline:
     def route(self, prep: Prepared) -> Dispatch:
         """Where the request runs (counted there from now on), or Overloaded / NoCapacity."""
         return self.router.route(prep.request_id, prep.token_ids, prep.block_hashes,
-                                 prep.max_tokens, self.block_size(), prep.cache_salt)
+                                 prep.max_tokens, prep.block_size, prep.cache_salt)
 
     async def run(self, prep: Prepared, outcome: Outcome) -> AsyncIterator[Delta]:
         """Prefill on one instance, then stream the decode from another; a route with one

@@ -4,7 +4,7 @@ the routing policy; listeners (the router) hear joins and leaves."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
@@ -25,7 +25,6 @@ class Instance:
     stub: worker_pb2_grpc.WorkerStub
     load: LoadState
     draining: bool = False
-    tags: dict[str, str] = field(default_factory=dict)
 
     @property
     def instance_id(self) -> str:
