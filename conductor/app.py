@@ -131,7 +131,10 @@ class Conductor:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{base}"
         structlog.contextvars.bind_contextvars(request_id=request_id)
         spec, token_ids, params = self._plan(req, request_id)
-        prep = self.pipeline.prepare(request_id, token_ids, params, req.cache_salt or "")
+        prep = self.pipeline.prepare(
+            request_id, token_ids, params, req.cache_salt or "",
+            ttft_slo_s=req.ttft_slo_ms / 1000 if req.ttft_slo_ms is not None else None,
+            tbt_slo_s=req.tbt_slo_ms / 1000 if req.tbt_slo_ms is not None else None)
         outcome = Outcome()
         deltas = self.pipeline.run(prep, outcome)
         headers = {"X-Request-Id": request_id}

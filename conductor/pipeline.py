@@ -44,6 +44,9 @@ class Prepared:
     block_hashes: tuple[int, ...]
     params: worker_pb2.SamplingParams
     cache_salt: str
+    ttft_slo_s: float | None = None
+    tbt_slo_s: float | None = None
+    """This request's SLOs; None: the conductor's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +108,8 @@ class Pipeline:
         raise NoCapacity(f"instances disagree on the block size: {sorted(sizes)}")
 
     def prepare(self, request_id: str, token_ids: list[int],
-                params: worker_pb2.SamplingParams, cache_salt: str = "") -> Prepared:
+                params: worker_pb2.SamplingParams, cache_salt: str = "",
+                ttft_slo_s: float | None = None, tbt_slo_s: float | None = None) -> Prepared:
         """A request the HTTP layer validated, tokenized and parameterised, with its hashes."""
         block_size = self.block_size()
         return Prepared(
@@ -116,12 +120,15 @@ class Pipeline:
             block_hashes=tuple(block_hashes(token_ids, block_size, cache_salt)),
             params=params,
             cache_salt=cache_salt,
+            ttft_slo_s=ttft_slo_s,
+            tbt_slo_s=tbt_slo_s,
         )
 
     def route(self, prep: Prepared) -> Dispatch:
         """Where the request runs (counted there from now on), or Overloaded / NoCapacity."""
         return self.router.route(prep.request_id, prep.token_ids, prep.block_hashes,
-                                 prep.max_tokens, prep.block_size, prep.cache_salt)
+                                 prep.max_tokens, prep.block_size, prep.cache_salt,
+                                 prep.ttft_slo_s, prep.tbt_slo_s)
 
     async def run(self, prep: Prepared, outcome: Outcome) -> AsyncIterator[Delta]:
         """Prefill on one instance, then stream the decode from another; a route with one

@@ -24,6 +24,7 @@ MAX_LOGPROBS = 20
 MAX_N = 128
 """vLLM allows 16384; OpenAI 128. One request may not occupy the cluster that long."""
 MAX_CACHE_SALT = 128
+MAX_SLO_MS = 3_600_000.0
 
 TokenId = Annotated[int, Field(ge=0)]
 
@@ -61,6 +62,12 @@ class GenerationRequest(_Body):
     echo: bool | None = False
     user: str | None = None
     cache_salt: str | None = None
+    ttft_slo_ms: float | None = Field(
+        default=None, description="This request's time-to-first-token SLO in ms (default: the "
+        "conductor's); when no instance is predicted to meet it, 429 before any work.")
+    tbt_slo_ms: float | None = Field(
+        default=None, description="This request's time-between-tokens SLO in ms (default: the "
+        "conductor's).")
     request_id: str | None = Field(default=None, description="Optional caller-chosen id.")
     return_token_ids: bool | None = None
     response_format: dict[str, Any] | None = Field(
@@ -209,6 +216,10 @@ def _check_common(r: GenerationRequest) -> None:
                                      or any(c in "@/\\\0" for c in r.cache_salt)):
         raise _bad("cache_salt", "Parameter 'cache_salt' must be a non-empty string of at most "
                    "128 characters without '@', '/', '\\', or NUL.")
+    for name in ("ttft_slo_ms", "tbt_slo_ms"):
+        v = getattr(r, name)
+        if v is not None and not (0 < v <= MAX_SLO_MS):
+            raise _bad(name, f"{name} must be in (0, {MAX_SLO_MS}], got {v}.")
     k = r.num_logprobs()
     if k is not None and k != 0 and (k == -1 or k > MAX_LOGPROBS):
         shown = "the vocabulary" if k == -1 else k

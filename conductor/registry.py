@@ -4,6 +4,7 @@ the routing policy; listeners (the router) hear joins and leaves."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,6 +41,9 @@ class Registry:
     def __init__(self) -> None:
         self._instances: dict[str, Instance] = {}
         self._listeners: list[RegistryListener] = []
+        self._snap: ClusterSnapshot | None = None
+        """The last snapshot, patched with the loads changed since (`_dirty`); None: rebuild."""
+        self._dirty: set[str] = set()
 
     def listen(self, listener: RegistryListener) -> None:
         """Tell `listener` of every instance now and of joins and leaves from now on."""
@@ -57,13 +61,17 @@ class Registry:
                 channel = grpc.aio.insecure_channel(info.address)
                 inst = Instance(info, channel, worker_pb2_grpc.WorkerStub(channel),
                                 LoadState(iid, info.role, info.block_size, info.capacity_tokens))
+                inst.load.on_change = self._dirty.add
                 self._instances[iid] = inst
+                self._snap = None
                 log.info("instance_joined", instance_id=iid, role=info.role, address=info.address)
                 for listener in self._listeners:
                     listener.instance_joined(inst)
 
     def _leave(self, iid: str) -> Instance:
         inst = self._instances.pop(iid)
+        inst.load.on_change = None
+        self._snap = None
         log.info("instance_left", instance_id=iid, role=inst.info.role)
         for listener in self._listeners:
             listener.instance_left(inst)
@@ -77,13 +85,37 @@ class Registry:
     def all(self) -> list[Instance]:
         return list(self._instances.values())
 
+    def set_draining(self, instance_id: str, draining: bool) -> Instance | None:
+        """Take an instance out of routing (or back in); its requests in flight go on."""
+        inst = self._instances.get(instance_id)
+        if inst is not None and inst.draining != draining:
+            inst.draining = draining
+            self._snap = None
+        return inst
+
+    def mark_changed(self, instance_ids: Iterable[str]) -> None:
+        """Something a snapshot shows of these instances changed outside their load."""
+        self._dirty.update(instance_ids)
+
     def snapshot(self, now: float = 0.0, params: SchedulerParams | None = None,
-                 cached_blocks: dict[str, int] | None = None) -> ClusterSnapshot:
-        """The routable (not draining) instances' loads, frozen."""
-        cached = cached_blocks or {}
-        loads = tuple(i.load.view(cached.get(iid, 0))
-                      for iid, i in self._instances.items() if not i.draining)
-        return ClusterSnapshot(loads, now, params or SchedulerParams())
+                 cached_blocks: Callable[[str], int] | None = None) -> ClusterSnapshot:
+        """The routable (not draining) instances' loads, frozen. Kept up to date by patching
+        the previous snapshot with the instances changed since (`LoadState.on_change`,
+        `mark_changed`), so its cost follows the changes, not the cluster's size."""
+        params = params or SchedulerParams()
+        cached = cached_blocks or _none
+        snap, dirty = self._snap, self._dirty
+        if snap is None or snap.params is not params:
+            loads = tuple(i.load.view(cached(iid))
+                          for iid, i in self._instances.items() if not i.draining)
+            snap = ClusterSnapshot(loads, now, params)
+        else:
+            insts = self._instances
+            snap = snap.replacing([i.load.view(cached(iid)) for iid in dirty
+                                   if (i := insts.get(iid)) is not None and not i.draining], now)
+        dirty.clear()
+        self._snap = snap
+        return snap
 
     async def close(self) -> None:
         for inst in list(self._instances.values()):
@@ -91,6 +123,11 @@ class Registry:
                 listener.instance_left(inst)
             await inst.channel.close(grace=None)
         self._instances.clear()
+        self._snap = None
+
+
+def _none(_: str) -> int:
+    return 0
 
 
 def _close_later(channel: grpc.aio.Channel) -> None:

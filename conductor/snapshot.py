@@ -7,7 +7,8 @@ clock reading `now`) is in these frozen objects, so a decision can be replayed a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from bisect import bisect_left, insort
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from conductor.scheduler.decode_model import TbtModel
@@ -82,17 +83,59 @@ class ClusterSnapshot:
     params: SchedulerParams = field(default_factory=SchedulerParams)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_prefill", tuple(i for i in self.instances if i.can_prefill()))
-        object.__setattr__(self, "_decode", tuple(i for i in self.instances if i.can_decode()))
-        object.__setattr__(self, "_prefill_by_id", {i.instance_id: i for i in self._prefill})
-        object.__setattr__(self, "_prefill_by_queue",
-                           tuple(sorted(self._prefill, key=lambda i: i.busy_until)))
+        prefill = tuple(i for i in self.instances if i.can_prefill())
+        decode = tuple(i for i in self.instances if i.can_decode())
         tbt = self.params.tbt
-        object.__setattr__(self, "_decode_rows", tuple(
-            (tbt.per_seq_s * i.running + tbt.per_kv_token_s * i.kv_tokens,
-             i.kv_capacity_tokens - i.kv_tokens if i.kv_capacity_tokens else float("inf"),
-             i.finishes, i.instance_id, i)
-            for i in self._decode))
+        _set(self, _prefill=prefill, _decode=decode,
+             _prefill_by_id={i.instance_id: i for i in prefill},
+             _prefill_by_queue=tuple(sorted(prefill, key=_queue_key)),
+             _decode_rows=tuple(_decode_row(tbt, i) for i in decode),
+             _pos={i.instance_id: n for n, i in enumerate(self.instances)},
+             _prefill_pos={i.instance_id: n for n, i in enumerate(prefill)},
+             _decode_pos={i.instance_id: n for n, i in enumerate(decode)})
+
+    def at(self, now: float) -> ClusterSnapshot:
+        """The same loads read at another clock time (nothing recomputed)."""
+        new = object.__new__(ClusterSnapshot)
+        new.__dict__.update(self.__dict__)
+        object.__setattr__(new, "now", now)
+        return new
+
+    def replacing(self, changed: Iterable[InstanceLoad], now: float) -> ClusterSnapshot:
+        """This snapshot with some instances' loads replaced (same ids, same roles), at `now`:
+        the derived tables are patched for the changed instances, not rebuilt, so keeping a
+        snapshot current costs per change, not per instance."""
+        new = self.at(now)
+        changed = list(changed)
+        if not changed:
+            return new
+        pos, ppos, dpos = self._pos, self._prefill_pos, self._decode_pos  # type: ignore[attr-defined]
+        instances = list(self.instances)
+        prefill, decode = list(self._prefill), list(self._decode)  # type: ignore[attr-defined]
+        rows = list(self._decode_rows)  # type: ignore[attr-defined]
+        by_queue = list(self._prefill_by_queue)  # type: ignore[attr-defined]
+        by_id = self._prefill_by_id  # type: ignore[attr-defined]
+        tbt = self.params.tbt
+        for load in changed:
+            iid = load.instance_id
+            old = instances[pos[iid]]
+            if old.role != load.role:
+                raise ValueError(f"{iid}: a role change needs a new snapshot")
+            instances[pos[iid]] = load
+            if iid in ppos:
+                prefill[ppos[iid]] = load
+                if by_id is self._prefill_by_id:  # type: ignore[attr-defined]
+                    by_id = dict(by_id)
+                by_id[iid] = load
+                at = bisect_left(by_queue, _queue_key(old), key=_queue_key)
+                del by_queue[at]
+                insort(by_queue, load, key=_queue_key)
+            if iid in dpos:
+                decode[dpos[iid]] = load
+                rows[dpos[iid]] = _decode_row(tbt, load)
+        _set(new, instances=tuple(instances), _prefill=tuple(prefill), _decode=tuple(decode),
+             _prefill_by_id=by_id, _prefill_by_queue=tuple(by_queue), _decode_rows=tuple(rows))
+        return new
 
     def prefill(self) -> tuple[InstanceLoad, ...]:
         return self._prefill  # type: ignore[attr-defined]
@@ -101,7 +144,7 @@ class ClusterSnapshot:
         return self._decode  # type: ignore[attr-defined]
 
     def prefill_by_queue(self) -> tuple[InstanceLoad, ...]:
-        """The prefill-capable instances, the soonest idle first."""
+        """The prefill-capable instances, the soonest idle first (ties by id)."""
         return self._prefill_by_queue  # type: ignore[attr-defined]
 
     def decode_rows(self) -> tuple[tuple[float, float, tuple[float, ...], str, InstanceLoad], ...]:
@@ -113,6 +156,21 @@ class ClusterSnapshot:
     def prefill_instance(self, instance_id: str) -> InstanceLoad | None:
         """The prefill-capable instance of that id, if any."""
         return self._prefill_by_id.get(instance_id)  # type: ignore[attr-defined]
+
+
+def _set(obj: object, **fields: object) -> None:
+    for name, value in fields.items():
+        object.__setattr__(obj, name, value)
+
+
+def _queue_key(i: InstanceLoad) -> tuple[float, str]:
+    return (i.busy_until, i.instance_id)
+
+
+def _decode_row(tbt: TbtModel, i: InstanceLoad) -> tuple:
+    return (tbt.per_seq_s * i.running + tbt.per_kv_token_s * i.kv_tokens,
+            i.kv_capacity_tokens - i.kv_tokens if i.kv_capacity_tokens else float("inf"),
+            i.finishes, i.instance_id, i)
 
 
 @dataclass(frozen=True)

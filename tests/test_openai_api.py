@@ -162,6 +162,8 @@ def test_max_tokens_is_clamped_to_the_context(client, local, model, tokenizer):
     ({"prompt": "word " * 3000}, "input_tokens"),
     ({"seed": 2**64}, "seed"),
     ({"logit_bias": {"1": 2.0}}, "logit_bias"),
+    ({"ttft_slo_ms": 0}, "ttft_slo_ms"),
+    ({"tbt_slo_ms": -5}, "tbt_slo_ms"),
 ])
 def test_bad_completion_requests_raise_bad_request(client, model, extra, param):
     body = {"model": model, "prompt": "hello", "max_tokens": 16, **extra}
@@ -244,6 +246,19 @@ def test_scheduler_overload_is_429_with_retry_after(model_dir):
                                       prompt="word " * 200)
         assert int(e.value.response.headers["retry-after"]) >= 1
         assert "kvcluster_rejections_total" in httpx.get(f"{c.url}/metrics").text
+
+
+def test_a_per_request_slo_rejects_only_that_request(client, model):
+    """The conductor's default SLOs admit the prompt; the same prompt asking for a TTFT no
+    instance can meet is rejected before any work, with Retry-After."""
+    prompt = "word " * 200
+    assert client.completions.create(model=model, prompt=prompt, max_tokens=2).choices
+    with pytest.raises(openai.RateLimitError) as e:
+        client.completions.create(model=model, prompt=prompt, max_tokens=2,
+                                  extra_body={"ttft_slo_ms": 1e-6})
+    assert e.value.body["code"] == 429 and int(e.value.response.headers["retry-after"]) >= 1
+    assert client.completions.create(model=model, prompt=prompt, max_tokens=2,
+                                     extra_body={"ttft_slo_ms": 600_000}).choices
 
 
 def test_client_disconnect_aborts_prefill_and_decode(model_dir):

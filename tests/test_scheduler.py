@@ -360,6 +360,66 @@ def test_a_local_prefill_is_one_request_in_flight():
     assert load.view().in_flight == 1 and load.dispatched_total == 1
 
 
+def test_generated_tokens_reach_the_view_a_block_at_a_time():
+    load = LoadState("d0", "decode", BS)
+    seen: list[str] = []
+    load.on_change = seen.append
+    load.add_decode("a", 100, finish_at=5.0)
+    assert load.view().kv_tokens == 100 and seen == ["d0"]
+    for _ in range(BS - 1):
+        load.decode_progress("a", 1)
+    assert load.view().kv_tokens == 100 and seen == ["d0"]  # not yet a block's worth
+    load.decode_progress("a", 1)
+    assert load.view().kv_tokens == 100 + BS and seen == ["d0", "d0"]
+
+
+def test_a_patched_snapshot_equals_one_frozen_whole():
+    """The router keeps its snapshot current by patching the instances whose load changed;
+    after any sequence of dispatches and completions it must equal a fresh one, decisions
+    included."""
+    import random
+
+    rng = random.Random(7)
+    loads = [LoadState(f"p{i}", "prefill", BS) for i in range(6)]
+    loads += [LoadState(f"d{i}", "decode", BS, kv_capacity_tokens=50_000) for i in range(4)]
+    loads.append(LoadState("b0", "both", BS, kv_capacity_tokens=50_000))
+    by_id = {s.instance_id: s for s in loads}
+    dirty: set[str] = set()
+    for s in loads:
+        s.on_change = dirty.add
+    params = SchedulerParams(local_prefill_max_tokens=64)
+    patched = ClusterSnapshot(tuple(s.view() for s in loads), NOW, params)
+    live: list[tuple[str, str, str]] = []
+    for n in range(400):
+        now = NOW + n * 0.01
+        patched = patched.replacing([by_id[i].view() for i in dirty], now)
+        dirty.clear()
+        whole = ClusterSnapshot(tuple(s.view() for s in loads), now, params)
+        assert patched.instances == whole.instances
+        assert patched.prefill_by_queue() == whole.prefill_by_queue()
+        assert patched.decode_rows() == whole.decode_rows()
+        assert patched.prefill() == whole.prefill() and patched.decode() == whole.decode()
+        req = request(rng.randrange(40, 2000), pool=rng.randrange(0, 4), seq=n,
+                      **{f"p{rng.randrange(6)}": rng.randrange(0, 30)})
+        for name in POLICIES:
+            assert POLICIES[name](patched, req) == POLICIES[name](whole, req), name
+        if rng.random() < 0.6:
+            p = rng.choice([s for s in loads if s.role != "decode"]).instance_id
+            d = rng.choice([s for s in loads if s.role != "prefill"]).instance_id
+            rid = f"r{n}"
+            by_id[p].add_prefill(rid, 500, rng.randrange(1, 500), rng.uniform(0.01, 1), now)
+            by_id[d].add_decode(rid, 500, now + rng.uniform(0, 5))
+            live.append((rid, p, d))
+        if live and rng.random() < 0.5:
+            rid, p, d = live.pop(rng.randrange(len(live)))
+            by_id[p].end_prefill(rid, now)
+            if rng.random() < 0.7:
+                by_id[d].end_decode(rid)
+            else:
+                by_id[d].decode_progress(rid, rng.randrange(1, 3 * BS))
+                live.append((rid, d, d))
+
+
 # ---------------------------------------------------------------------- time models
 
 def test_prefill_model_refits_to_observed_timings():

@@ -87,6 +87,40 @@ async def test_decode_done_indexes_the_generated_blocks_for_the_next_turn(model_
     await registry.close()
 
 
+async def test_a_prefill_reply_corrects_what_the_index_believes_of_the_pool(model_dir):
+    """The pool evicted the tail of a chain the index holds: the next prefill of that chain
+    reports how long a prefix the pool really holds, and the index follows."""
+    router, registry = await _router(model_dir)
+    tokens = list(range(320))
+    hashes = tuple(block_hashes(tokens, BS))
+    router.index.store(POOL, hashes)
+    dispatch = router.route("a", tokens, hashes, 4, BS)
+    assert dispatch.route.cached_blocks == len(hashes) - 1  # all loadable blocks, per the index
+    dispatch.prefill_done(320, 3 * BS, 3, 0.1)
+    assert router.index.match(hashes).pool == 3
+    dispatch.release()
+    await registry.close()
+
+
+async def test_the_snapshot_follows_dispatches_and_drains(model_dir):
+    router, registry = await _router(model_dir)
+    tokens = list(range(1000))
+    hashes = tuple(block_hashes(tokens, BS))
+    first = router.route("a", tokens, hashes, 16, BS)
+    snap = router.snapshot(0.0, BS)
+    p = snap.prefill_instance(first.prefill.instance_id)
+    assert p is not None and p.in_flight == 1 and p.busy_until > 0
+    first.release()
+    assert router.snapshot(0.0, BS).prefill_instance(first.prefill.instance_id).in_flight == 0
+    registry.set_draining("p0", True)
+    assert [i.instance_id for i in router.snapshot(0.0, BS).prefill()] == ["p1"]
+    assert all(router.route(f"r{n}", tokens, hashes, 16, BS).prefill.instance_id != "p0"
+               for n in range(3))
+    registry.set_draining("p0", False)
+    assert {i.instance_id for i in router.snapshot(0.0, BS).prefill()} == {"p0", "p1"}
+    await registry.close()
+
+
 async def test_overload_raises_429_with_retry_after_and_counts_nothing(model_dir):
     router, registry = await _router(model_dir, ttft_slo_s=0.5)
     admitted = []

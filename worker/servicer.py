@@ -136,7 +136,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         )
 
     def _count_in_pool(self, keys: tuple[str, ...]) -> int:
-        """How many of the prompt's blocks the pool holds now (an independent check)."""
+        """How long a prefix of the prompt's blocks the pool holds now (an independent check;
+        the conductor's index follows it, so a chain the pool evicted is corrected here)."""
         if not keys:
             return 0
         from store.pool import MooncakePool, PoolConfig, PoolError
@@ -147,7 +148,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 self._pool = MooncakePool(PoolConfig(master_addr=c.pool_master,
                                                      metadata_url=c.pool_metadata,
                                                      segment_bytes=0))
-            return sum(self._pool.exists(list(keys)))
+            present = self._pool.exists(list(keys))
+            return next((i for i, ok in enumerate(present) if not ok), len(present))
         except PoolError as e:  # construction failed: the master is down; retried next time
             log.warning("pool_check_failed", error=str(e))
             return 0

@@ -54,6 +54,8 @@ class KVIndex:
         self._named: dict[int, tuple[str, ...]] = {}
         """mask -> the names of its locations, for `match` (cleared when slots change)"""
         self.evicted = 0
+        self._changed: set[int] = set()
+        """slots whose block count changed since `take_changed`"""
 
     # ------------------------------------------------------------------ locations
 
@@ -93,6 +95,13 @@ class KVIndex:
     def __len__(self) -> int:
         return len(self._young) + len(self._old)
 
+    def take_changed(self) -> list[str]:
+        """The locations whose block count changed since the last call."""
+        names = self._names
+        out = [n for s in self._changed if (n := names[s]) is not None and n != POOL]
+        self._changed.clear()
+        return out
+
     # ------------------------------------------------------------------ updates
 
     def store(self, name: str, hashes: Iterable[int]) -> None:
@@ -130,6 +139,7 @@ class KVIndex:
         held = [h for gen in (self._young, self._old) for h, m in gen.items() if m & bit]
         self._drop_bit(bit, slot, held)
         self._counts[slot] = 0
+        self._changed.add(slot)
 
     def expire(self, now: float) -> None:
         """Withdraw the predicted bits whose time is up."""
@@ -159,7 +169,9 @@ class KVIndex:
                     del pred[h]
             m |= bit
             young[h] = intern.setdefault(m, m)
-        self._counts[slot] += added
+        if added:
+            self._counts[slot] += added
+            self._changed.add(slot)
         if len(intern) > _INTERN_MAX:
             intern.clear()
         if len(young) >= self.max_blocks // 2:
@@ -186,7 +198,9 @@ class KVIndex:
                     pred[h] = p
                 else:
                     del pred[h]
-        self._counts[slot] = max(self._counts[slot] - dropped, 0)
+        if dropped:
+            self._counts[slot] = max(self._counts[slot] - dropped, 0)
+            self._changed.add(slot)
 
     def _rotate(self) -> None:
         """The young generation is full: drop the old one, the young one becomes old."""
@@ -196,6 +210,7 @@ class KVIndex:
             while m:
                 low = m & -m
                 counts[low.bit_length() - 1] -= n
+                self._changed.add(low.bit_length() - 1)
                 m ^= low
         pred = self._predicted
         for h in [h for h in pred if h in gone]:

@@ -12,6 +12,8 @@ when each is predicted to finish.
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from conductor.snapshot import InstanceLoad
@@ -40,6 +42,21 @@ class LoadState:
         self.queued_prompt_tokens = 0
         self.queued_uncached_tokens = 0
         self.dispatched_total = 0
+        self._finishes: list[float] = []
+        """the decodes' finish_at, ascending"""
+        self._both = 0
+        """requests counted in both `_prefills` and `_decodes` (prefill and decode here)"""
+        self._unseen = 0
+        """tokens generated since the view was last invalidated"""
+        self._view: InstanceLoad | None = None
+        self.on_change: Callable[[str], None] | None = None
+        """Told the instance id whenever the load changes (the registry's snapshot upkeep)."""
+
+    def _changed(self) -> None:
+        self._view = None
+        self._unseen = 0
+        if self.on_change is not None:
+            self.on_change(self.instance_id)
 
     # ------------------------------------------------------------------ prefill
 
@@ -49,20 +66,24 @@ class LoadState:
             self._head_started = now
             self._work_s = 0.0
         self._prefills[request_id] = (predicted_s, prompt_tokens, uncached_tokens)
+        self._both += request_id in self._decodes
         self._work_s += predicted_s
         self.queued_prompt_tokens += prompt_tokens
         self.queued_uncached_tokens += uncached_tokens
         self.dispatched_total += 1
+        self._changed()
 
     def end_prefill(self, request_id: str, now: float) -> None:
         entry = self._prefills.pop(request_id, None)
         if entry is None:
             return
         predicted_s, prompt_tokens, uncached_tokens = entry
+        self._both -= request_id in self._decodes
         self._work_s = max(self._work_s - predicted_s, 0.0) if self._prefills else 0.0
         self._head_started = now
         self.queued_prompt_tokens -= prompt_tokens
         self.queued_uncached_tokens -= uncached_tokens
+        self._changed()
 
     def service_time(self, now: float) -> float:
         """Seconds since the queue's head started (its dispatch to an idle instance, or the
@@ -75,21 +96,37 @@ class LoadState:
     # ------------------------------------------------------------------ decode
 
     def add_decode(self, request_id: str, prompt_tokens: int, finish_at: float) -> None:
+        if request_id in self._decodes:
+            self.end_decode(request_id)
         self._decodes[request_id] = _Decode(prompt_tokens, 0, finish_at)
+        insort(self._finishes, finish_at)
         self.kv_tokens += prompt_tokens
-        if request_id not in self._prefills:
+        if request_id in self._prefills:
+            self._both += 1
+        else:
             self.dispatched_total += 1
+        self._changed()
 
     def decode_progress(self, request_id: str, tokens: int) -> None:
+        """Tokens generated. Snapshots see them a block at a time per instance (a decision
+        needs KV use to a block, not to a token, and streams must not re-freeze the load per
+        token)."""
         d = self._decodes.get(request_id)
         if d is not None:
             d.generated += tokens
             self.kv_tokens += tokens
+            self._unseen += tokens
+            if self._unseen >= self.block_size:
+                self._changed()
 
     def end_decode(self, request_id: str) -> None:
         d = self._decodes.pop(request_id, None)
         if d is not None:
             self.kv_tokens -= d.prompt_tokens + d.generated
+            f = self._finishes
+            del f[bisect_left(f, d.finish_at)]
+            self._both -= request_id in self._prefills
+            self._changed()
 
     def running(self) -> int:
         return len(self._decodes)
@@ -97,10 +134,14 @@ class LoadState:
     # ------------------------------------------------------------------ view
 
     def in_flight(self) -> int:
-        return len(self._prefills) + len(self._decodes.keys() - self._prefills.keys())
+        return len(self._prefills) + len(self._decodes) - self._both
 
     def view(self, cached_blocks: int = 0) -> InstanceLoad:
-        return InstanceLoad(
+        """The load frozen; the same object until the load (or `cached_blocks`) changes."""
+        v = self._view
+        if v is not None and v.cached_blocks == cached_blocks:
+            return v
+        v = self._view = InstanceLoad(
             instance_id=self.instance_id,
             role=self.role,
             in_flight=self.in_flight(),
@@ -111,6 +152,7 @@ class LoadState:
             running=len(self._decodes),
             kv_tokens=self.kv_tokens,
             kv_capacity_tokens=self.kv_capacity_tokens,
-            finishes=tuple(sorted(d.finish_at for d in self._decodes.values())),
+            finishes=tuple(self._finishes),
             cached_blocks=cached_blocks,
         )
+        return v

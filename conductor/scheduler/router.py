@@ -99,8 +99,8 @@ class Router:
         return p
 
     def snapshot(self, now: float, block_size: int) -> ClusterSnapshot:
-        cached = {name: self.index.blocks(name) for name in self.index.locations()}
-        return self.registry.snapshot(now, self.params(block_size), cached)
+        self.registry.mark_changed(self.index.take_changed())
+        return self.registry.snapshot(now, self.params(block_size), self.index.blocks)
 
     def route(self, request_id: str, token_ids: list[int], block_hashes: tuple[int, ...],
               max_tokens: int, block_size: int, cache_salt: str = "",
@@ -196,6 +196,10 @@ class Dispatch:
         idx = self.router.index
         idx.store(self.prefill.instance_id, self.block_hashes)
         idx.store(POOL, self.block_hashes[:blocks_in_pool])
+        # the worker read the pool after its save: blocks past that prefix are gone (evicted,
+        # or never written), whatever the index believed. (Mooncake's master could publish
+        # its evictions, but the 0.3.13 wheel's master is built without the ZMQ publisher.)
+        idx.truncate(POOL, self.block_hashes, blocks_in_pool)
         self.router.counters.reported_hit_tokens += num_cached_tokens
         self.router.prefill_fit.observe(num_prompt_tokens - num_cached_tokens, num_cached_tokens,
                                         engine_seconds if solo else service, exact=solo)
