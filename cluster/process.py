@@ -65,6 +65,11 @@ class ManagedProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once it exited (negative: killed by that signal), else None."""
+        return None if self.proc is None else self.proc.poll()
+
     def signal_group(self, sig: int) -> None:
         if self.proc is None:
             return

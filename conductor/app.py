@@ -25,7 +25,9 @@ from starlette.types import Receive, Scope, Send
 
 from cluster.instance import InstanceInfo
 from cluster.membership import MembershipWatcher
+from cluster.workers import WorkerSpec
 from conductor import openapi
+from conductor.admin import AdminServer
 from conductor.auth import ApiKeyMiddleware
 from conductor.chat import ChatTemplate
 from conductor.config import ConductorConfig
@@ -37,6 +39,7 @@ from conductor.errors import (
     error_payload,
     http_status,
 )
+from conductor.health import HealthChecker
 from conductor.metrics import CLIENT_CLOSED, CONTENT_TYPE, Metrics, RequestTimer
 from conductor.pipeline import Delta, Outcome, Pipeline
 from conductor.protocol import (
@@ -46,6 +49,7 @@ from conductor.protocol import (
     parse_chat,
     parse_completion,
 )
+from conductor.provision import Provisioner
 from conductor.registry import Registry
 from conductor.response import ResponseSpec, collect, stream
 from conductor.sampling import ModelDefaults, sampling
@@ -77,28 +81,41 @@ class Conductor:
         self.chat_template = ChatTemplate(self.tokenizer.hf)
         self.defaults = ModelDefaults.load(config.model)
         self.pipeline = Pipeline(config, self.registry, self.tokenizer)
-        self.metrics = Metrics(lambda: self.registry.snapshot().instances)
+        self.metrics = Metrics(self.registry.views)
         make = membership or (lambda on_change: MembershipWatcher(
             config.etcd, prefix=config.membership_prefix, on_change=on_change))
         self.watcher = make(self._on_members)
         self.started = int(time.time())
+        self.health: HealthChecker | None = None
+        self.provisioner = Provisioner(WorkerSpec.load(config.embedded_workers)
+                                       if config.embedded_workers else None)
+        self.admin: AdminServer | None = None
 
     async def _on_members(self, members: dict) -> None:
         self.registry.sync(members)
 
     async def start(self) -> None:
+        self.health = HealthChecker(self.registry, self.config.health_interval_s)
         await self.watcher.start()
         self.registry.sync(self.watcher.members())
+        if self.config.admin_port:
+            self.admin = AdminServer(self, self.provisioner)
+            await self.admin.start()
 
     async def stop(self) -> None:
+        if self.admin is not None:
+            await self.admin.stop()
         await self.watcher.close()
+        if self.health is not None:
+            await self.health.close()
         await self.registry.close()
+        await self.provisioner.close()
 
     def ready(self) -> tuple[bool, str]:
-        snap = self.registry.snapshot()
-        if not snap.prefill():
+        views = self.registry.views()
+        if not any(v.can_prefill() for v in views):
             return False, "no prefill-capable instance is up"
-        if not snap.decode():
+        if not any(v.can_decode() for v in views):
             return False, "no decode-capable instance is up"
         return True, "ok"
 

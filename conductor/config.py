@@ -49,6 +49,20 @@ class ConductorConfig:
     """How long a routed request's predicted blocks count without an event confirming them."""
     kv_events: bool = True
     """Follow the workers' KV event streams (exact local caches); off: replies only."""
+    admin_host: str = "127.0.0.1"
+    admin_port: int = 0
+    """The gRPC admin API (`protos/admin.proto`); 0 leaves it off."""
+    admin_token: str = ""
+    """Admin calls need `authorization: Bearer <token>` when set (prefer the file or the
+    environment: a flag shows in `ps`)."""
+    admin_token_file: str = ""
+    """A file holding the admin token (read once at start)."""
+    embedded_workers: str = ""
+    """Embedded mode: a `cluster.workers.WorkerSpec` JSON file; ResizePool then starts worker
+    processes on this machine. Empty: a deployed cluster (drain and switch only)."""
+    health_interval_s: float = 1.0
+    """Each instance's gRPC health service is checked this often; one that does not answer
+    SERVING within the interval is taken out of routing until it does."""
     api_key: str = ""
     """When set, /v1 routes need `Authorization: Bearer <api_key>` (401 otherwise); /health,
     /metrics and the OpenAPI description stay open. Empty: no key."""
@@ -62,11 +76,29 @@ class ConductorConfig:
             raise ValueError(f"port out of range: {self.port}")
         for name in ("prefill_timeout_s", "first_token_timeout_s", "request_timeout_s",
                      "ttft_slo_s", "tbt_slo_s", "pool_gbps", "index_max_blocks",
-                     "predicted_ttl_s"):
+                     "predicted_ttl_s", "health_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.local_prefill_max_tokens < 0:
             raise ValueError("local_prefill_max_tokens must be non-negative")
+        if not 0 <= self.admin_port < 65536:
+            raise ValueError(f"admin_port out of range: {self.admin_port}")
+        if self.admin_token_file:
+            try:
+                token = open(self.admin_token_file).read().strip()
+            except OSError as e:
+                raise ValueError(f"admin_token_file unreadable: {e}") from e
+            if not token:
+                raise ValueError(f"admin_token_file is empty: {self.admin_token_file}")
+            if self.admin_token and self.admin_token != token:
+                raise ValueError("admin_token and admin_token_file disagree; set one")
+            object.__setattr__(self, "admin_token", token)
+        if (self.admin_port and not self.admin_token
+                and self.admin_host not in ("127.0.0.1", "localhost", "::1")):
+            raise ValueError("an admin API reachable beyond loopback needs an admin token "
+                             "(admin_token_file)")
+        if self.embedded_workers and not os.path.isfile(self.embedded_workers):
+            raise ValueError(f"embedded_workers is not a file: {self.embedded_workers!r}")
         if not self.served_model_name:
             object.__setattr__(self, "served_model_name", os.path.basename(self.model.rstrip("/")))
 

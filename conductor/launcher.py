@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import signal
 import sys
 import tempfile
@@ -24,6 +25,7 @@ import structlog
 from cluster.etcd_server import EtcdServer
 from cluster.ports import free_port
 from cluster.process import ManagedProcess
+from cluster.workers import WorkerSpec
 from store.master import StoreMaster
 
 log = structlog.get_logger(__name__)
@@ -50,6 +52,9 @@ class ClusterSpec:
     policy: str = "kv_centric"
     worker_env: tuple[tuple[str, str], ...] = ()
     conductor_args: tuple[str, ...] = ()
+    admin_port: int = 0
+    """The conductor's admin API on 127.0.0.1 (token in `<run_dir>/admin.token`); 0 picks a
+    free port, -1 turns it off."""
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 0:
@@ -79,6 +84,8 @@ class EmbeddedCluster:
     workers: dict[str, WorkerProcess] = field(default_factory=dict)
     conductor: ManagedProcess | None = None
     http_port: int = 0
+    admin_port: int = 0
+    admin_token: str = ""
     _counter: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -88,6 +95,25 @@ class EmbeddedCluster:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def admin_addr(self) -> str:
+        return f"127.0.0.1:{self.admin_port}"
+
+    @property
+    def token_file(self) -> Path:
+        return self.run_dir / "admin.token"
+
+    def worker_spec(self) -> WorkerSpec:
+        assert self.etcd is not None and self.master is not None, "start() first"
+        s = self.spec
+        return WorkerSpec(model=s.model, etcd=self.etcd.endpoint,
+                          pool_master=self.master.master_addr,
+                          pool_metadata=self.master.metadata_url, run_dir=str(self.run_dir),
+                          block_size=s.block_size, max_model_len=s.max_model_len, dtype=s.dtype,
+                          kv_cache_bytes=s.kv_cache_bytes,
+                          pool_segment_bytes=s.pool_segment_bytes, lease_ttl=s.lease_ttl,
+                          env=s.worker_env)
 
     # -------------------------------------------------------------- start / stop
 
@@ -113,28 +139,11 @@ class EmbeddedCluster:
         return self
 
     def start_worker(self, role: str) -> WorkerProcess:
-        assert self.etcd is not None and self.master is not None, "start() first"
         n = self._counter.get(role, 0)
         self._counter[role] = n + 1
         instance_id = f"{role}-{n}"
-        port = free_port()
-        s = self.spec
-        argv = [
-            sys.executable, "-m", f"{role}_worker",
-            "--model", s.model, "--etcd", self.etcd.endpoint,
-            "--pool-master", self.master.master_addr,
-            "--pool-metadata", self.master.metadata_url,
-            "--port", str(port), "--instance-id", instance_id,
-            "--block-size", str(s.block_size), "--max-model-len", str(s.max_model_len),
-            "--dtype", s.dtype, "--kv-cache-bytes", str(s.kv_cache_bytes),
-            "--pool-segment-bytes", str(s.pool_segment_bytes),
-            "--lease-ttl", str(s.lease_ttl),
-        ]
-        env = dict(os.environ)
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        env.update(dict(s.worker_env))
-        proc = ManagedProcess(instance_id, argv, self.run_dir / f"{instance_id}.log", env=env)
-        wp = WorkerProcess(instance_id, role, port, proc.start())
+        proc, port = self.worker_spec().start(role, instance_id)
+        wp = WorkerProcess(instance_id, role, port, proc)
         self.workers[instance_id] = wp
         log.info("worker_started", instance_id=instance_id, pid=proc.pid, port=port)
         return wp
@@ -152,8 +161,22 @@ class EmbeddedCluster:
         self.http_port = self.http_port or s.http_port or free_port()
         argv = [sys.executable, "-m", "conductor", "--model", s.model,
                 "--etcd", self.etcd.endpoint, "--port", str(self.http_port),
-                "--policy", s.policy, *s.conductor_args]
-        self.conductor = ManagedProcess("conductor", argv, self.run_dir / "conductor.log").start()
+                "--policy", s.policy]
+        env = dict(os.environ)
+        if s.admin_port >= 0:
+            self.admin_port = self.admin_port or s.admin_port or free_port()
+            if not self.admin_token:
+                self.admin_token = secrets.token_urlsafe(32)
+                self.token_file.touch(mode=0o600)
+                self.token_file.write_text(self.admin_token + "\n")
+            spec_file = self.run_dir / "workers.json"
+            self.worker_spec().save(spec_file)
+            argv += ["--admin-port", str(self.admin_port),
+                     "--embedded-workers", str(spec_file)]
+            env["KVCLUSTER_CONDUCTOR_ADMIN_TOKEN_FILE"] = str(self.token_file)
+        argv += list(s.conductor_args)
+        self.conductor = ManagedProcess("conductor", argv, self.run_dir / "conductor.log",
+                                        env=env).start()
         return self.conductor
 
     def wait_ready(self, timeout: float = 240.0) -> None:
@@ -172,6 +195,11 @@ class EmbeddedCluster:
         raise TimeoutError(f"cluster not ready after {timeout:.0f}s; logs in {self.run_dir}")
 
     def _check_alive(self) -> None:
+        """Raise if a child died; a worker that exited cleanly was retired (ResizePool)."""
+        for iid, w in list(self.workers.items()):
+            if not w.process.alive() and w.process.returncode == 0:
+                log.info("worker_retired", instance_id=iid)
+                del self.workers[iid]
         procs = [w.process for w in self.workers.values()]
         if self.conductor is not None:
             procs.append(self.conductor)
@@ -219,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store-metadata-port", type=int, default=0)
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--admin-port", type=int,
+                   default=int(os.environ.get("KVCLUSTER_ADMIN_PORT", "8001")),
+                   help="the conductor's admin API on 127.0.0.1 (0: a free port, -1: off)")
     p.add_argument("--run-dir", default=os.environ.get("KVCLUSTER_RUN_DIR", "run"))
     a = p.parse_args(argv)
     configure("launcher")
@@ -227,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = ClusterSpec(model=model, prefill=a.prefill, decode=a.decode, http_port=a.port,
                        etcd_port=a.etcd_port, store_rpc_port=a.store_rpc_port,
                        store_metadata_port=a.store_metadata_port, run_dir=a.run_dir,
-                       block_size=a.block_size, max_model_len=a.max_model_len)
+                       block_size=a.block_size, max_model_len=a.max_model_len,
+                       admin_port=a.admin_port)
     cluster = EmbeddedCluster(spec)
     stopping = False
 
@@ -246,7 +278,9 @@ def main(argv: list[str] | None = None) -> int:
               f"  curl {cluster.url}/v1/completions -H 'Content-Type: application/json' \\\n"
               f"    -d '{{\"model\": \"{name}\", \"prompt\": \"The quick brown fox\", "
               f"\"max_tokens\": 16, \"temperature\": 0}}'\n\n"
-              "Ctrl-C stops every process.", flush=True)
+              + (f"  conductorctl --addr {cluster.admin_addr} instances   "
+                 f"(token: {cluster.token_file})\n\n" if a.admin_port >= 0 else "")
+              + "Ctrl-C stops every process.", flush=True)
         while True:
             time.sleep(1.0)
             cluster._check_alive()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 import structlog
@@ -18,6 +18,7 @@ import structlog
 from conductor.config import ConductorConfig
 from conductor.errors import (
     ConductorError,
+    InvalidRequest,
     NoCapacity,
     Timeout,
     UpstreamFailed,
@@ -88,6 +89,8 @@ class Outcome:
     blocks_saved: int = 0
     blocks_in_pool: int = 0
     blocks_loaded: int = 0
+    warmed: list[str] = field(default_factory=list)
+    """Prewarm: the instances that prefilled the prompt."""
 
 
 class Pipeline:
@@ -154,17 +157,47 @@ class Pipeline:
         finally:
             dispatch.release()
 
-    async def _prefill(self, inst: Instance, prep: Prepared, outcome: Outcome,
-                       dispatch: Dispatch) -> None:
-        t0 = time.perf_counter()
+    async def prewarm(self, prep: Prepared, instances: list[str]) -> Outcome:
+        """Prefill `prep` where the policy would (its blocks go to the pool), then on each of
+        `instances` too (into their engine caches): no decode, nothing streamed. The outcome
+        holds the blocks written and present; `warmed` the instances that ran it."""
+        outcome = Outcome(prompt_tokens=len(prep.token_ids))
+        targets = []
+        for iid in instances:
+            inst = self.registry.get(iid)
+            if inst is None:
+                raise InvalidRequest(f"no instance {iid!r}", param="instances")
+            targets.append(inst)
+        dispatch = self.route(prep)
         try:
-            reply = await inst.stub.Prefill(
+            await self._prefill(dispatch.prefill, prep, outcome, dispatch)
+        finally:
+            dispatch.release()
+        saved = outcome.blocks_saved
+        outcome.warmed.append(dispatch.prefill.instance_id)
+        for n, inst in enumerate(t for t in targets if t is not dispatch.prefill):
+            one = replace(prep, request_id=f"{prep.request_id}-{n}")
+            reply = await self._prefill_rpc(inst, one)
+            saved += reply.blocks_saved
+            self.router.index.store(inst.instance_id, prep.block_hashes)
+            outcome.warmed.append(inst.instance_id)
+        outcome.blocks_saved = saved
+        return outcome
+
+    async def _prefill_rpc(self, inst: Instance, prep: Prepared) -> worker_pb2.PrefillReply:
+        try:
+            return await inst.stub.Prefill(
                 worker_pb2.PrefillRequest(request_id=prep.request_id, token_ids=prep.token_ids,
                                           cache_salt=prep.cache_salt),
                 timeout=self.config.prefill_timeout_s,
             )
         except grpc.aio.AioRpcError as e:
             raise _worker_error(e, inst, "prefill") from None
+
+    async def _prefill(self, inst: Instance, prep: Prepared, outcome: Outcome,
+                       dispatch: Dispatch) -> None:
+        t0 = time.perf_counter()
+        reply = await self._prefill_rpc(inst, prep)
         dispatch.prefill_done(reply.num_prompt_tokens, reply.num_cached_tokens,
                               reply.blocks_in_pool, reply.engine_seconds)
         outcome.blocks_saved = reply.blocks_saved

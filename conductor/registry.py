@@ -13,7 +13,7 @@ import structlog
 
 from cluster.instance import InstanceInfo
 from conductor.scheduler.load import LoadState
-from conductor.snapshot import ClusterSnapshot, SchedulerParams
+from conductor.snapshot import ClusterSnapshot, InstanceLoad, SchedulerParams
 from protos import worker_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -26,10 +26,28 @@ class Instance:
     stub: worker_pb2_grpc.WorkerStub
     load: LoadState
     draining: bool = False
+    """Taken out of routing by an operator (Drain) or a shrinking pool; requests in flight
+    go on."""
+    unhealthy: bool = False
+    """Its health service did not answer SERVING at the last check: not routed to."""
 
     @property
     def instance_id(self) -> str:
         return self.info.instance_id
+
+    @property
+    def role(self) -> str:
+        """The role it is routed as: its registered one, or what a "both" instance was
+        switched to."""
+        return self.load.role
+
+    @property
+    def routable(self) -> bool:
+        return not self.draining and not self.unhealthy
+
+    @property
+    def state(self) -> str:
+        return "unhealthy" if self.unhealthy else "draining" if self.draining else "serving"
 
 
 class RegistryListener(Protocol):
@@ -91,7 +109,38 @@ class Registry:
         if inst is not None and inst.draining != draining:
             inst.draining = draining
             self._snap = None
+            log.info("instance_draining" if draining else "instance_undrained",
+                     instance_id=instance_id)
         return inst
+
+    def set_unhealthy(self, instance_id: str, unhealthy: bool, why: str = "") -> None:
+        inst = self._instances.get(instance_id)
+        if inst is not None and inst.unhealthy != unhealthy:
+            inst.unhealthy = unhealthy
+            self._snap = None
+            if unhealthy:
+                log.warning("instance_unhealthy", instance_id=instance_id, why=why)
+            else:
+                log.info("instance_healthy", instance_id=instance_id)
+
+    def set_role(self, instance_id: str, role: str) -> Instance:
+        """Route an instance registered as "both" as `role` (prefill, decode or both)."""
+        inst = self._instances[instance_id]
+        if inst.info.role != "both":
+            raise ValueError(f"{instance_id} registered as {inst.info.role!r}, not 'both': "
+                             "its role cannot be switched")
+        if role not in ("prefill", "decode", "both"):
+            raise ValueError(f"unknown role {role!r}")
+        if inst.load.role != role:
+            inst.load.set_role(role)
+            self._snap = None
+            log.info("instance_switched", instance_id=instance_id, role=role)
+        return inst
+
+    def views(self) -> list[InstanceLoad]:
+        """The routable instances' loads now (for health and metrics; routing uses
+        `snapshot`)."""
+        return [i.load.view() for i in self._instances.values() if i.routable]
 
     def mark_changed(self, instance_ids: Iterable[str]) -> None:
         """Something a snapshot shows of these instances changed outside their load."""
@@ -99,20 +148,20 @@ class Registry:
 
     def snapshot(self, now: float = 0.0, params: SchedulerParams | None = None,
                  cached_blocks: Callable[[str], int] | None = None) -> ClusterSnapshot:
-        """The routable (not draining) instances' loads, frozen. Kept up to date by patching
-        the previous snapshot with the instances changed since (`LoadState.on_change`,
-        `mark_changed`), so its cost follows the changes, not the cluster's size."""
-        params = params or SchedulerParams()
-        cached = cached_blocks or _none
+        """The routable (not draining, not unhealthy) instances' loads, frozen. Kept up to
+        date by patching the previous snapshot with the instances changed since
+        (`LoadState.on_change`, `mark_changed`): its cost follows changes, not cluster size."""
         snap, dirty = self._snap, self._dirty
+        params = params or (snap.params if snap is not None else SchedulerParams())
+        cached = cached_blocks or _none
         if snap is None or snap.params is not params:
             loads = tuple(i.load.view(cached(iid))
-                          for iid, i in self._instances.items() if not i.draining)
+                          for iid, i in self._instances.items() if i.routable)
             snap = ClusterSnapshot(loads, now, params)
         else:
             insts = self._instances
             snap = snap.replacing([i.load.view(cached(iid)) for iid in dirty
-                                   if (i := insts.get(iid)) is not None and not i.draining], now)
+                                   if (i := insts.get(iid)) is not None and i.routable], now)
         dirty.clear()
         self._snap = snap
         return snap

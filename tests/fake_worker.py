@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import uvicorn
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster.instance import InstanceInfo
 from cluster.ports import free_port
@@ -36,6 +37,7 @@ class Counts:
     generates: int = 0
     running: int = 0
     aborted: int = 0
+    retired: int = 0
     last_params: worker_pb2.SamplingParams | None = None
     request_ids: list[str] = field(default_factory=list)
 
@@ -117,6 +119,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.WorkerStats(running=self.counts.running,
                                       aborted_total=self.counts.aborted)
 
+    async def Retire(self, request, context):
+        self.counts.retired += 1
+        return worker_pb2.RetireReply()
+
 
 class StaticMembership:
     def __init__(self, members: dict[str, InstanceInfo]) -> None:
@@ -188,13 +194,18 @@ class LocalConductor:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         servers, members = [], {}
+        seen: dict[str, int] = {}
         for role in self.roles:
-            iid = f"{role}-0"
+            iid = f"{role}-{seen.setdefault(role, 0)}"
+            seen[role] += 1
             fake = self.workers[iid] = FakeWorker(self.knobs)
             server = grpc.aio.server()
             worker_pb2_grpc.add_WorkerServicer_to_server(fake, server)
+            fake.health = health.aio.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(fake.health, server)
             port = server.add_insecure_port("127.0.0.1:0")
             await server.start()
+            await fake.health.set("kvcluster.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
             servers.append(server)
             self.addresses[iid] = f"127.0.0.1:{port}"
             members[iid] = InstanceInfo(instance_id=iid, role=role, address=f"127.0.0.1:{port}",

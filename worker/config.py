@@ -80,6 +80,9 @@ def _env_name(field: str) -> str:
 def parse_args(argv: list[str] | None, role: str) -> WorkerConfig:
     """Flags override `KVCLUSTER_WORKER_<FIELD>` environment variables override defaults."""
     p = argparse.ArgumentParser(prog=f"{role}_worker", description=f"A {role} worker.")
+    p.add_argument("--role", choices=ROLES, default=os.environ.get(_env_name("role"), role),
+                   help="both: one engine that prefills and decodes; it registers as 'both', "
+                   "and the conductor may route it as either (and switch it on ResizePool)")
     for f in fields(WorkerConfig):
         if f.name == "role":
             continue
@@ -96,4 +99,4 @@ def parse_args(argv: list[str] | None, role: str) -> WorkerConfig:
     missing = [n for n in ("model", "etcd", "pool_master", "pool_metadata") if n not in kwargs]
     if missing:
         p.error("missing: " + ", ".join("--" + m.replace("_", "-") for m in missing))
-    return WorkerConfig(role=role, **kwargs)
+    return WorkerConfig(**kwargs)

@@ -53,6 +53,7 @@ async def serve(config: WorkerConfig) -> None:
     print(f"READY {config.instance_id} {info.address}", flush=True)
 
     stop = asyncio.Event()
+    servicer.on_retire = stop.set
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import structlog
@@ -107,6 +107,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.cached_tokens_total = 0
         self.aborted_total = 0
         self._pool = None
+        self.on_retire: Callable[[], None] | None = None
+        """Called by `Retire`: starts the process's ordered shutdown."""
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
                       ) -> worker_pb2.PrefillReply:
@@ -203,6 +205,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             cached_tokens_total=self.cached_tokens_total,
             aborted_total=self.aborted_total,
         )
+
+    async def Retire(self, request: worker_pb2.RetireRequest,
+                     context: grpc.aio.ServicerContext) -> worker_pb2.RetireReply:
+        log.info("retire_requested", reason=request.reason)
+        if self.on_retire is not None:
+            asyncio.get_running_loop().call_soon(self.on_retire)
+        return worker_pb2.RetireReply(instance_id=self.instance_id)
 
     async def KvEvents(self, request: worker_pb2.KvEventsRequest,
                        context: grpc.aio.ServicerContext

@@ -20,6 +20,7 @@ with every block held by the same locations; `make bench-sched` reports the byte
 
 from __future__ import annotations
 
+import sys
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 
@@ -33,6 +34,7 @@ POOL = "/pool"
 """The pool's location name (instance ids never contain '/')."""
 
 _INTERN_MAX = 1 << 18
+_INT64_BYTES = sys.getsizeof(1 << 63)
 _EMPTY = PrefixMatch()
 
 
@@ -94,6 +96,12 @@ class KVIndex:
 
     def __len__(self) -> int:
         return len(self._young) + len(self._old)
+
+    def memory_bytes(self) -> int:
+        """What the index holds in memory: its hash tables and the 64-bit hash ints (the
+        masks are shared between blocks of the same locations)."""
+        tables = sum(sys.getsizeof(d) for d in (self._young, self._old, self._predicted))
+        return tables + len(self) * _INT64_BYTES
 
     def take_changed(self) -> list[str]:
         """The locations whose block count changed since the last call."""

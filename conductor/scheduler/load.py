@@ -58,6 +58,11 @@ class LoadState:
         if self.on_change is not None:
             self.on_change(self.instance_id)
 
+    def set_role(self, role: str) -> None:
+        """Route it as another role (an instance registered as "both" was switched)."""
+        self.role = role
+        self._changed()
+
     # ------------------------------------------------------------------ prefill
 
     def add_prefill(self, request_id: str, prompt_tokens: int, uncached_tokens: int,

@@ -48,6 +48,8 @@ class Counters:
     predicted_hit_tokens: int = 0
     reported_hit_tokens: int = 0
     """Prefill-side cache hits: as predicted at dispatch, and as the engines reported."""
+    reported_prompt_tokens: int = 0
+    """The prompt tokens of the prefills that reported."""
 
 
 class Router:
@@ -84,6 +86,19 @@ class Router:
         if self.follower is not None:
             self.follower.unfollow(inst.instance_id)
         self.index.remove_location(inst.instance_id)
+
+    def set_slo(self, ttft_slo_s: float | None = None, tbt_slo_s: float | None = None
+                ) -> tuple[float, float]:
+        """Change the default SLOs (None: unchanged); returns them."""
+        changes = {k: v for k, v in (("ttft_slo_s", ttft_slo_s), ("tbt_slo_s", tbt_slo_s))
+                   if v is not None}
+        for k, v in changes.items():
+            if not v > 0:
+                raise ValueError(f"{k} must be positive, got {v}")
+        self._base = replace(self._base, **changes)
+        self._params = None
+        log.info("slo_set", ttft_slo_s=self._base.ttft_slo_s, tbt_slo_s=self._base.tbt_slo_s)
+        return self._base.ttft_slo_s, self._base.tbt_slo_s
 
     # ------------------------------------------------------------------ deciding
 
@@ -201,6 +216,7 @@ class Dispatch:
         # its evictions, but the 0.3.13 wheel's master is built without the ZMQ publisher.)
         idx.truncate(POOL, self.block_hashes, blocks_in_pool)
         self.router.counters.reported_hit_tokens += num_cached_tokens
+        self.router.counters.reported_prompt_tokens += num_prompt_tokens
         self.router.prefill_fit.observe(num_prompt_tokens - num_cached_tokens, num_cached_tokens,
                                         engine_seconds if solo else service, exact=solo)
 

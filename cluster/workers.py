@@ -1,0 +1,67 @@
+"""How to start a worker process on this machine: what the embedded launcher uses, and what it
+hands the conductor (as JSON) so that `ResizePool` can start more of them in embedded mode."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from cluster.ports import free_port
+from cluster.process import ManagedProcess
+
+ROLES = ("prefill", "decode", "both")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    model: str
+    etcd: str
+    pool_master: str
+    pool_metadata: str
+    run_dir: str
+    """Each worker's log goes to `<run_dir>/<instance_id>.log`."""
+    block_size: int = 32
+    max_model_len: int = 2048
+    dtype: str = "float32"
+    kv_cache_bytes: int = 256 << 20
+    pool_segment_bytes: int = 256 << 20
+    lease_ttl: float = 5.0
+    env: tuple[tuple[str, str], ...] = ()
+    python: str = sys.executable
+
+    def save(self, path: Path | str) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, path: Path | str) -> WorkerSpec:
+        raw = json.loads(Path(path).read_text())
+        raw["env"] = tuple(tuple(kv) for kv in raw.get("env", ()))
+        return cls(**raw)
+
+    def start(self, role: str, instance_id: str, port: int = 0) -> tuple[ManagedProcess, int]:
+        """Start one worker (its engine loads in the background); returns it and its port."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        port = port or free_port()
+        module = "decode_worker" if role == "decode" else "prefill_worker"  # --role overrides
+        argv = [
+            self.python, "-m", module,
+            "--model", self.model, "--etcd", self.etcd,
+            "--pool-master", self.pool_master, "--pool-metadata", self.pool_metadata,
+            "--port", str(port), "--instance-id", instance_id,
+            "--block-size", str(self.block_size), "--max-model-len", str(self.max_model_len),
+            "--dtype", self.dtype, "--kv-cache-bytes", str(self.kv_cache_bytes),
+            "--pool-segment-bytes", str(self.pool_segment_bytes),
+            "--lease-ttl", str(self.lease_ttl),
+        ]
+        if role == "both":
+            argv += ["--role", "both"]
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        env.update(dict(self.env))
+        proc = ManagedProcess(instance_id, argv, Path(self.run_dir) / f"{instance_id}.log",
+                              env=env)
+        return proc.start(), port

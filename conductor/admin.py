@@ -1,0 +1,291 @@
+"""The conductor's gRPC admin API (`protos/admin.proto`), served beside the HTTP endpoint with
+the standard health and reflection services.
+
+Every Admin call needs `authorization: Bearer <token>` when a token is configured; a missing
+or wrong one is UNAUTHENTICATED before the call runs, so it changes nothing. Health and
+reflection stay open (they reveal nothing an operator's load balancer should not see).
+
+Pools change through `Provisioner`: embedded mode (the launcher handed the conductor a
+`WorkerSpec`) starts worker processes here and retires drained surplus ones once idle; a
+deployed cluster can only drain instances (kept as standbys that a later resize undrains)
+and switch those registered as "both" (one engine able to prefill and decode) between roles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from conductor.errors import ConductorError, mapping
+from conductor.provision import Provisioner
+from conductor.registry import Instance, Registry
+from conductor.scheduler.index import POOL
+from protos import admin_pb2, admin_pb2_grpc, worker_pb2
+
+log = structlog.get_logger(__name__)
+
+SERVICE = "kvcluster.v1.Admin"
+_ADMIN_PREFIX = f"/{SERVICE}/"
+_DEFAULT_WAIT_S = 300.0
+_POLL_S = 0.2
+
+
+class TokenAuth(grpc.aio.ServerInterceptor):
+    """UNAUTHENTICATED for an Admin call without the right bearer token."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+        async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "missing or wrong admin token (authorization: Bearer <token>)")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    async def intercept_service(self, continuation: Callable[..., Awaitable[Any]],
+                                details: grpc.HandlerCallDetails) -> Any:
+        if details.method.startswith(_ADMIN_PREFIX):
+            got = dict(details.invocation_metadata or ()).get("authorization", "")
+            if not hmac.compare_digest(str(got).encode(), self._expected):
+                log.warning("admin_unauthenticated", method=details.method)
+                return self._deny
+        return await continuation(details)
+
+
+def _serves(inst: Instance, role: str) -> bool:
+    return inst.role in (role, "both")
+
+
+class AdminServicer(admin_pb2_grpc.AdminServicer):
+    def __init__(self, conductor: Any, provisioner: Provisioner) -> None:
+        self.c = conductor
+        self.registry: Registry = conductor.registry
+        self.router = conductor.pipeline.router
+        self.provisioner = provisioner
+
+    # ---------------------------------------------------------------- instances
+
+    def _instance(self, inst: Instance) -> admin_pb2.Instance:
+        v = inst.load.view()
+        return admin_pb2.Instance(
+            instance_id=inst.instance_id, role=inst.role, address=inst.info.address,
+            state=inst.state, in_flight=v.in_flight, model=inst.info.model,
+            block_size=inst.info.block_size, advertised_role=inst.info.role,
+            running=v.running, kv_tokens=v.kv_tokens, kv_capacity_tokens=v.kv_capacity_tokens,
+            queued_prompt_tokens=v.queued_prompt_tokens,
+            cached_blocks=self.router.index.blocks(inst.instance_id),
+            dispatched_total=inst.load.dispatched_total, version=inst.info.version)
+
+    async def ListInstances(self, request: admin_pb2.ListInstancesRequest,
+                            context: grpc.aio.ServicerContext) -> admin_pb2.ListInstancesReply:
+        insts = sorted(self.registry.all(), key=lambda i: (i.role, i.instance_id))
+        return admin_pb2.ListInstancesReply(instances=[self._instance(i) for i in insts])
+
+    # ---------------------------------------------------------------- pools
+
+    def _serving(self, role: str) -> list[Instance]:
+        return [i for i in self.registry.all() if i.routable and _serves(i, role)]
+
+    async def ResizePool(self, request: admin_pb2.ResizePoolRequest,
+                         context: grpc.aio.ServicerContext) -> admin_pb2.ResizePoolReply:
+        role, target = request.role, request.target
+        if role not in ("prefill", "decode"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"role must be prefill or decode, got {role!r}")
+        if target < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "target must be >= 0")
+        other = "decode" if role == "prefill" else "prefill"
+        reply = admin_pb2.ResizePoolReply(role=role, target=target)
+        serving = self._serving(role)
+        reply.before = len(serving)
+        short = target - len(serving)
+        # growing: undrain first (already loaded), then switch "both" instances routed as the
+        # other role, then start processes (embedded mode)
+        for inst in sorted(self.registry.all(), key=lambda i: i.instance_id):
+            if short <= 0:
+                break
+            if inst.draining and not inst.unhealthy and _serves(inst, role):
+                self.registry.set_draining(inst.instance_id, False)
+                reply.undrained.append(inst.instance_id)
+                short -= 1
+        for inst in sorted(self.registry.all(), key=lambda i: i.load.in_flight()):
+            if short <= 0:
+                break
+            if inst.routable and inst.info.role == "both" and inst.role == other:
+                self.registry.set_role(inst.instance_id, role)
+                reply.switched.append(inst.instance_id)
+                short -= 1
+        if short > 0 and self.provisioner.can_start:
+            for _ in range(short):
+                reply.started.append(self.provisioner.start(role))
+            short = 0
+        # shrinking: surplus instances leave the role, those the conductor started first,
+        # then the least loaded; "both" instances switch to the other role rather than stop
+        surplus = -short if short < 0 else 0
+        if surplus:
+            order = sorted(self._serving(role), key=lambda i: (
+                not self.provisioner.started_here(i.instance_id), i.load.in_flight(),
+                i.instance_id))
+            for inst in order[:surplus]:
+                if inst.info.role == "both" and inst.role != other and self._serving(other):
+                    self.registry.set_role(inst.instance_id, other)
+                    reply.switched.append(inst.instance_id)
+                else:
+                    self.registry.set_draining(inst.instance_id, True)
+                    reply.drained.append(inst.instance_id)
+                    if self.provisioner.can_start:  # else kept as a standby to undrain
+                        self.provisioner.retire_when_idle(inst)
+        if short > 0:
+            reply.unmet = (f"{short} {role} instance(s) short: a deployed cluster cannot start "
+                           f"processes; start workers with deploy/{role}.sh (or --role both to "
+                           "make instances switchable)")
+        if request.wait and reply.started:
+            timeout = request.timeout_s or _DEFAULT_WAIT_S
+            if not await self._until(lambda: all(
+                    (i := self.registry.get(iid)) is not None and i.routable
+                    for iid in reply.started), timeout):
+                missing = [iid for iid in reply.started if self.registry.get(iid) is None]
+                reply.unmet = (f"started instances not routable after {timeout:.0f}s: "
+                               f"{missing}; see their logs")
+        reply.after = len(self._serving(role))
+        log.info("pool_resized", role=role, target=target, before=reply.before,
+                 after=reply.after, started=list(reply.started), drained=list(reply.drained),
+                 switched=list(reply.switched), undrained=list(reply.undrained),
+                 unmet=reply.unmet)
+        return reply
+
+    async def Drain(self, request: admin_pb2.DrainRequest,
+                    context: grpc.aio.ServicerContext) -> admin_pb2.DrainReply:
+        inst = self.registry.set_draining(request.instance_id, True)
+        if inst is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no instance {request.instance_id!r}")
+        if request.wait:
+            await self._until(lambda: inst.load.in_flight() == 0,
+                              request.timeout_s or _DEFAULT_WAIT_S)
+        return self._drain_reply(inst)
+
+    async def Undrain(self, request: admin_pb2.DrainRequest,
+                      context: grpc.aio.ServicerContext) -> admin_pb2.DrainReply:
+        inst = self.registry.set_draining(request.instance_id, False)
+        if inst is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no instance {request.instance_id!r}")
+        return self._drain_reply(inst)
+
+    @staticmethod
+    def _drain_reply(inst: Instance) -> admin_pb2.DrainReply:
+        n = inst.load.in_flight()
+        return admin_pb2.DrainReply(instance_id=inst.instance_id, state=inst.state,
+                                    in_flight=n, idle=inst.draining and n == 0)
+
+    @staticmethod
+    async def _until(done: Callable[[], bool], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(_POLL_S)
+        return True
+
+    # ---------------------------------------------------------------- SLOs
+
+    async def SetSLO(self, request: admin_pb2.SetSLORequest,
+                     context: grpc.aio.ServicerContext) -> admin_pb2.SetSLOReply:
+        name = self.c.config.served_model_name
+        if request.model and request.model != name:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"this conductor serves {name!r}, not {request.model!r}")
+        if request.ttft_ms < 0 or request.tbt_ms < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "SLOs must be positive")
+        ttft, tbt = self.router.set_slo(request.ttft_ms / 1000 or None,
+                                        request.tbt_ms / 1000 or None)
+        return admin_pb2.SetSLOReply(model=name, ttft_ms=ttft * 1000, tbt_ms=tbt * 1000)
+
+    # ---------------------------------------------------------------- prewarm
+
+    async def Prewarm(self, request: admin_pb2.PrewarmRequest,
+                      context: grpc.aio.ServicerContext) -> admin_pb2.PrewarmReply:
+        c = self.c
+        t0 = time.perf_counter()
+        try:
+            if request.token_ids:
+                ids = c.tokenizer.check_ids(list(request.token_ids))
+            elif request.prompt:
+                ids = c.tokenizer.encode_prompt(request.prompt)
+            else:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    "give a prompt or token_ids")
+            params = worker_pb2.SamplingParams(max_tokens=1, temperature=0.0)
+            prep = c.pipeline.prepare(f"prewarm-{uuid.uuid4().hex[:12]}", ids, params,
+                                      request.cache_salt,
+                                      ttft_slo_s=c.config.prefill_timeout_s)
+            out = await c.pipeline.prewarm(prep, list(request.instances))
+        except ConductorError as e:
+            await context.abort(mapping(e).grpc, e.message)
+        blocks = len(prep.block_hashes)
+        seconds = time.perf_counter() - t0
+        log.info("prewarmed", prompt_tokens=len(ids), blocks=blocks,
+                 written=out.blocks_saved, in_pool=out.blocks_in_pool, warmed=out.warmed,
+                 seconds=round(seconds, 3))
+        return admin_pb2.PrewarmReply(prompt_tokens=len(ids), blocks=blocks,
+                                      blocks_written=out.blocks_saved,
+                                      blocks_in_pool=out.blocks_in_pool, warmed=out.warmed,
+                                      seconds=seconds)
+
+    # ---------------------------------------------------------------- index
+
+    async def IndexStats(self, request: admin_pb2.IndexStatsRequest,
+                         context: grpc.aio.ServicerContext) -> admin_pb2.IndexStatsReply:
+        idx, k = self.router.index, self.router.counters
+        n = len(idx)
+        mem = idx.memory_bytes()
+        return admin_pb2.IndexStatsReply(
+            blocks=n, max_blocks=idx.max_blocks, memory_bytes=mem,
+            bytes_per_block=mem / n if n else 0.0, forgotten=idx.evicted,
+            locations=[admin_pb2.LocationBlocks(location=loc, blocks=idx.blocks(loc))
+                       for loc in sorted(idx.locations(), key=lambda x: (x != POOL, x))],
+            routed=k.routed, rejected=k.rejected, local_prefills=k.local_prefills,
+            predicted_hit_tokens=k.predicted_hit_tokens,
+            reported_hit_tokens=k.reported_hit_tokens,
+            prompt_tokens=k.reported_prompt_tokens,
+            hit_ratio=k.reported_hit_tokens / k.reported_prompt_tokens
+            if k.reported_prompt_tokens else 0.0)
+
+
+class AdminServer:
+    """The grpc.aio server of the admin API, with health and reflection."""
+
+    def __init__(self, conductor: Any, provisioner: Provisioner) -> None:
+        cfg = conductor.config
+        self.config = cfg
+        interceptors = [TokenAuth(cfg.admin_token)] if cfg.admin_token else []
+        self.server = grpc.aio.server(interceptors=interceptors,
+                                      options=[("grpc.so_reuseport", 0)])
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(conductor, provisioner),
+                                                   self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
+                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                 reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self.server)
+        self.port = self.server.add_insecure_port(f"{cfg.admin_host}:{cfg.admin_port}")
+
+    async def start(self) -> None:
+        await self.server.start()
+        await self.health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        log.info("admin_api_ready", address=f"{self.config.admin_host}:{self.port}",
+                 token=bool(self.config.admin_token))
+
+    async def stop(self) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace=2.0)
