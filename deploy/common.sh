@@ -1,25 +1,84 @@
 # Sourced by the per-node scripts: defaults every script shares, overridable by environment.
+#
+#   KVCLUSTER_PYTHON         the venv's python                ($REPO/.venv/bin/python)
+#   KVCLUSTER_LOG_DIR        every script logs here            ($REPO/run/deploy)
+#   KVCLUSTER_STATE_DIR      pid files, etcd data, admin token ($REPO/run/deploy)
+#   KVCLUSTER_HOST           address this node's services bind (127.0.0.1; 0.0.0.0: all)
+#   KVCLUSTER_ADVERTISE_HOST address other nodes reach this node at (KVCLUSTER_HOST, or the
+#                            hostname when that is 0.0.0.0)
+#   KVCLUSTER_ETCD           etcd client endpoint host:port    (127.0.0.1:2379)
+#   KVCLUSTER_POOL_MASTER    mooncake_master RPC host:port     (127.0.0.1:50051)
+#   KVCLUSTER_POOL_METADATA  Mooncake metadata server URL      (http://127.0.0.1:8080/metadata)
+#   KVCLUSTER_MODEL          local HF model directory, the same path on every node
+#                            (default: the tiny model, built on first use)
+#
+# Every script is safe to re-run: a service whose pid file names a live process is left alone
+# (exit 0); a stale pid file is removed and the service started again. deploy/stop.sh stops
+# services, deploy/status.sh lists them.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${KVCLUSTER_PYTHON:-$REPO/.venv/bin/python}"
-LOG_DIR="${KVCLUSTER_LOG_DIR:-$REPO/run/deploy}"       # every script logs here
-HOST="${KVCLUSTER_HOST:-127.0.0.1}"                      # address this node binds
-ETCD="${KVCLUSTER_ETCD:-127.0.0.1:2379}"                 # etcd client endpoint
-POOL_MASTER="${KVCLUSTER_POOL_MASTER:-127.0.0.1:50051}"  # mooncake_master RPC
+LOG_DIR="${KVCLUSTER_LOG_DIR:-$REPO/run/deploy}"
+STATE_DIR="${KVCLUSTER_STATE_DIR:-$REPO/run/deploy}"
+HOST="${KVCLUSTER_HOST:-127.0.0.1}"
+if [ -n "${KVCLUSTER_ADVERTISE_HOST:-}" ]; then
+  ADVERTISE_HOST="$KVCLUSTER_ADVERTISE_HOST"
+elif [ "$HOST" = "0.0.0.0" ] || [ "$HOST" = "::" ]; then
+  ADVERTISE_HOST="$(hostname)"
+else
+  ADVERTISE_HOST="$HOST"
+fi
+ETCD="${KVCLUSTER_ETCD:-127.0.0.1:2379}"
+POOL_MASTER="${KVCLUSTER_POOL_MASTER:-127.0.0.1:50051}"
 POOL_METADATA="${KVCLUSTER_POOL_METADATA:-http://127.0.0.1:8080/metadata}"
-MODEL="${KVCLUSTER_MODEL:-}"                             # local HF model directory
-mkdir -p "$LOG_DIR"
-[ -x "$PY" ] || { echo "no $PY: run 'make install' in $REPO first" >&2; exit 1; }
-if [ -z "$MODEL" ]; then MODEL="$("$PY" -m tinymodel | tail -n 1)"; fi
+MODEL="${KVCLUSTER_MODEL:-}"
+mkdir -p "$LOG_DIR" "$STATE_DIR"
 
-# Start "$@" in the background unless a process with the same pid file is alive (safe to re-run).
+# Check the venv and resolve MODEL (building the tiny model when none is given).
+need_python() {
+  [ -x "$PY" ] || { echo "no $PY: run 'make install' in $REPO first" >&2; exit 1; }
+}
+need_model() {
+  need_python
+  if [ -z "$MODEL" ]; then MODEL="$("$PY" -m tinymodel | tail -n 1)"; fi
+  [ -d "$MODEL" ] || { echo "KVCLUSTER_MODEL is not a directory: $MODEL" >&2; exit 1; }
+}
+
+# The pid in $STATE_DIR/$1.pid when that process is alive and still runs the command the pid
+# file was written for (its first word, saved on the second line); else remove a stale file.
+running_pid() {
+  local pidfile="$STATE_DIR/$1.pid" pid cmd args
+  [ -f "$pidfile" ] || return 1
+  pid="$(sed -n 1p "$pidfile")"; cmd="$(sed -n 2p "$pidfile")"
+  if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
+    args="$(tr '\0' '\n' <"/proc/$pid/cmdline" 2>/dev/null || true)"
+    if [ -z "$cmd" ] || [ -z "$args" ] || grep -qxF -- "$cmd" <<<"$args"; then
+      echo "$pid"; return 0
+    fi
+  fi
+  echo "$1: removing stale pid file $pidfile (pid ${pid:-?} is gone)" >&2
+  rm -f "$pidfile"
+  return 1
+}
+
+# Start "$@" in the background as service $1 unless it is already running (safe to re-run);
+# fail, with the end of its log, when it exits within KVCLUSTER_START_CHECK_S (2) seconds.
 start_once() {
   local name="$1"; shift
-  local pidfile="$LOG_DIR/$name.pid"
-  if [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
-    echo "$name already running (pid $(cat "$pidfile")), log: $LOG_DIR/$name.log"; return 0
+  local pidfile="$STATE_DIR/$name.pid" log="$LOG_DIR/$name.log" pid
+  if pid="$(running_pid "$name")"; then
+    echo "$name already running (pid $pid), log: $log"; return 0
   fi
-  nohup "$@" >>"$LOG_DIR/$name.log" 2>&1 &
-  echo $! >"$pidfile"
-  echo "$name started (pid $!), log: $LOG_DIR/$name.log"
+  echo "--- $(date -u +%FT%TZ) starting: $*" >>"$log"
+  nohup "$@" >>"$log" 2>&1 </dev/null &
+  pid=$!
+  printf '%s\n%s\n' "$pid" "$1" >"$pidfile"
+  sleep "${KVCLUSTER_START_CHECK_S:-2}"
+  if ! kill -0 "$pid" 2>/dev/null; then
+    rm -f "$pidfile"
+    echo "$name exited at start; the end of $log:" >&2
+    tail -n 20 "$log" >&2
+    exit 1
+  fi
+  echo "$name started (pid $pid), log: $log"
 }

@@ -1,5 +1,40 @@
 #!/usr/bin/env bash
-# The conductor's HTTP endpoint. KVCLUSTER_PORT (8000).
+# The conductor (node A): the OpenAI-compatible HTTP endpoint and the gRPC admin API that
+# `conductorctl` talks to. Run from any directory; safe to re-run.
+#
+#   KVCLUSTER_PORT             HTTP port, bound on KVCLUSTER_HOST                    (8000)
+#   KVCLUSTER_ADMIN_HOST       admin API address; keep loopback unless operators
+#                              connect from other hosts                              (127.0.0.1)
+#   KVCLUSTER_ADMIN_PORT       admin API port (0: admin API off)                     (8001)
+#   KVCLUSTER_ADMIN_TOKEN_FILE the admin token; generated (mode 600) when missing
+#                              ($KVCLUSTER_STATE_DIR/admin.token)
+#   KVCLUSTER_ETCD             etcd endpoint the workers register in (127.0.0.1:2379)
+#   KVCLUSTER_MODEL            the tokenizer's model directory, as on the workers
+# Any other conductor setting passes through as KVCLUSTER_CONDUCTOR_<FIELD> (see
+# `python -m conductor --help`), e.g. KVCLUSTER_CONDUCTOR_POLICY, KVCLUSTER_CONDUCTOR_API_KEY.
+# Shared settings: deploy/common.sh.
 source "$(dirname "$0")/common.sh"
+need_model
+PORT="${KVCLUSTER_PORT:-8000}"
+ADMIN_HOST="${KVCLUSTER_ADMIN_HOST:-127.0.0.1}"
+ADMIN_PORT="${KVCLUSTER_ADMIN_PORT:-8001}"
+TOKEN_FILE="${KVCLUSTER_ADMIN_TOKEN_FILE:-$STATE_DIR/admin.token}"
+
+# The admin token: always configured, never on a command line (it would show in `ps`).
+if [ ! -s "$TOKEN_FILE" ]; then
+  mkdir -p "$(dirname "$TOKEN_FILE")"
+  (umask 077 && "$PY" -c 'import secrets; print(secrets.token_urlsafe(32))' >"$TOKEN_FILE")
+  echo "admin token generated in $TOKEN_FILE"
+fi
+chmod 600 "$TOKEN_FILE" 2>/dev/null || echo "warning: cannot chmod 600 $TOKEN_FILE" >&2
+export KVCLUSTER_CONDUCTOR_ADMIN_TOKEN_FILE="$TOKEN_FILE"
+export KVCLUSTER_CONDUCTOR_ADMIN_HOST="$ADMIN_HOST"
+export KVCLUSTER_CONDUCTOR_ADMIN_PORT="$ADMIN_PORT"
+
 start_once conductor "$PY" -m conductor --model "$MODEL" --etcd "$ETCD" \
-  --host "$HOST" --port "${KVCLUSTER_PORT:-8000}"
+  --host "$HOST" --port "$PORT"
+echo "endpoint: http://$ADVERTISE_HOST:$PORT/v1"
+if [ "$ADMIN_PORT" != 0 ]; then
+  echo "admin: KVCLUSTER_ADMIN_ADDR=$ADMIN_HOST:$ADMIN_PORT" \
+    "KVCLUSTER_ADMIN_TOKEN_FILE=$TOKEN_FILE $REPO/.venv/bin/conductorctl instances"
+fi

@@ -1,9 +1,24 @@
 #!/usr/bin/env bash
-# A decode worker. KVCLUSTER_WORKER_PORT (0: any free port), KVCLUSTER_INSTANCE_ID (hostname-decode),
-# KVCLUSTER_KV_CACHE_BYTES (512 MiB). VLLM_CPU_OMP_THREADS_BIND etc. pass through to vLLM.
+# A decode worker (one vLLM engine). Run from any directory; safe to re-run (one per instance id).
+#
+#   KVCLUSTER_INSTANCE_ID     instance id, unique in the cluster; also names the pid and log
+#                             files, so set it to run several on one node   ($(hostname)-decode)
+#   KVCLUSTER_WORKER_PORT     gRPC port (0: any free port)                  (0)
+#   KVCLUSTER_KV_CACHE_BYTES  the engine's KV cache                         (536870912, 512 MiB)
+#   KVCLUSTER_HOST            address the worker binds; a reachable one (or 0.0.0.0) when the
+#                             conductor runs on another node                (127.0.0.1)
+#   KVCLUSTER_ADVERTISE_HOST  address registered for the conductor to dial  (see common.sh)
+#   KVCLUSTER_ETCD, KVCLUSTER_POOL_MASTER, KVCLUSTER_POOL_METADATA: node A's services
+#   KVCLUSTER_MODEL           model directory, the same on every node
+# Other worker settings pass through as KVCLUSTER_WORKER_<FIELD> (see
+# `python -m decode_worker --help`), e.g. KVCLUSTER_WORKER_DEVICE=cuda. VLLM_* pass to vLLM
+# (VLLM_CPU_OMP_THREADS_BIND defaults to nobind, as in `make run`).
+# Shared settings: deploy/common.sh.
 source "$(dirname "$0")/common.sh"
+need_model
 ID="${KVCLUSTER_INSTANCE_ID:-$(hostname)-decode}"
+export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-nobind}"
 start_once "$ID" "$PY" -m decode_worker --model "$MODEL" --etcd "$ETCD" \
   --pool-master "$POOL_MASTER" --pool-metadata "$POOL_METADATA" \
-  --host "$HOST" --port "${KVCLUSTER_WORKER_PORT:-0}" --instance-id "$ID" \
-  --kv-cache-bytes "${KVCLUSTER_KV_CACHE_BYTES:-536870912}"
+  --host "$HOST" --advertise-host "$ADVERTISE_HOST" --port "${KVCLUSTER_WORKER_PORT:-0}" \
+  --instance-id "$ID" --kv-cache-bytes "${KVCLUSTER_KV_CACHE_BYTES:-536870912}"

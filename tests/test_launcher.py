@@ -43,7 +43,7 @@ def test_launcher_serves_and_ctrl_c_leaves_nothing(model_dir, tmp_path):
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "conductor.launcher", "--model", model_dir, "--port", str(port),
-         "--run-dir", str(tmp_path / "run")],
+         "--run-dir", str(tmp_path / "run"), "--admin-port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     seen: set[int] = set()
     try:
