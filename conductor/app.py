@@ -35,6 +35,7 @@ from conductor.errors import (
     ConductorError,
     InvalidRequest,
     ModelNotFound,
+    Overloaded,
     error_body,
     error_payload,
     http_status,
@@ -82,6 +83,7 @@ class Conductor:
         self.defaults = ModelDefaults.load(config.model)
         self.pipeline = Pipeline(config, self.registry, self.tokenizer)
         self.metrics = Metrics(self.registry.views)
+        self.pipeline.metrics = self.metrics
         make = membership or (lambda on_change: MembershipWatcher(
             config.etcd, prefix=config.membership_prefix, on_change=on_change))
         self.watcher = make(self._on_members)
@@ -90,6 +92,8 @@ class Conductor:
         self.provisioner = Provisioner(WorkerSpec.load(config.embedded_workers)
                                        if config.embedded_workers else None)
         self.admin: AdminServer | None = None
+        self.in_flight = 0
+        """Requests being answered (a stream counts until its generator ends)."""
 
     async def _on_members(self, members: dict) -> None:
         self.registry.sync(members)
@@ -111,6 +115,9 @@ class Conductor:
         await self.registry.close()
         await self.provisioner.close()
 
+    def _finished(self) -> None:
+        self.in_flight -= 1
+
     def ready(self) -> tuple[bool, str]:
         views = self.registry.views()
         if not any(v.can_prefill() for v in views):
@@ -124,6 +131,11 @@ class Conductor:
     async def serve(self, request: Request, chat: bool) -> Response:
         timer = self.metrics.timer("chat" if chat else "completions")
         try:
+            if self.in_flight >= self.config.max_in_flight:
+                raise Overloaded(f"the conductor holds {self.in_flight} requests, its limit; "
+                                 "retry later", code="conductor_full", retry_after=1.0)
+            self.in_flight += 1
+            timer.on_finish = self._finished
             return await self._serve(request, chat, timer)
         except ConductorError as err:
             status = http_status(err)

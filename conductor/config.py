@@ -60,6 +60,11 @@ class ConductorConfig:
     embedded_workers: str = ""
     """Embedded mode: a `cluster.workers.WorkerSpec` JSON file; ResizePool then starts worker
     processes on this machine. Empty: a deployed cluster (drain and switch only)."""
+    breaker_cooldown_s: float = 2.0
+    """An instance whose circuit breaker opened (unreachable, or 3 failed calls in a row) is
+    not routed to for this long, then tried again."""
+    max_in_flight: int = 1024
+    """Requests the conductor holds at once; beyond it new ones get 429 at once."""
     health_interval_s: float = 1.0
     """Each instance's gRPC health service is checked this often; one that does not answer
     SERVING within the interval is taken out of routing until it does."""
@@ -76,7 +81,8 @@ class ConductorConfig:
             raise ValueError(f"port out of range: {self.port}")
         for name in ("prefill_timeout_s", "first_token_timeout_s", "request_timeout_s",
                      "ttft_slo_s", "tbt_slo_s", "pool_gbps", "index_max_blocks",
-                     "predicted_ttl_s", "health_interval_s"):
+                     "predicted_ttl_s", "health_interval_s", "breaker_cooldown_s",
+                     "max_in_flight"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.local_prefill_max_tokens < 0:

@@ -57,6 +57,9 @@ class Metrics:
         self.fallbacks_total = Counter("kvcluster_fallbacks", "Fall-backs taken (e.g. prefill "
                                        "on the decode instance, recompute), by kind.", ["kind"],
                                        registry=r)
+        self.migrations_total = Counter("kvcluster_stream_migrations", "Decode streams "
+                                        "continued on another instance after theirs failed.",
+                                        registry=r)
         self.totals = {"prompt": 0, "local": 0, "pool": 0}
         r.register(_ClusterCollector(instances, self.totals))
 
@@ -78,6 +81,9 @@ class Metrics:
         self.totals["pool"] += pool
         self.totals["local"] += cached_tokens - pool
 
+    def migration(self) -> None:
+        self.migrations_total.inc()
+
     def timer(self, endpoint: str) -> RequestTimer:
         return RequestTimer(self, endpoint)
 
@@ -88,7 +94,7 @@ class Metrics:
 class RequestTimer:
     """One request's clock: arrival, first token, each next token, the end."""
 
-    __slots__ = ("_m", "endpoint", "t0", "_last", "done")
+    __slots__ = ("_m", "endpoint", "t0", "_last", "done", "on_finish")
 
     def __init__(self, metrics: Metrics, endpoint: str) -> None:
         self._m = metrics
@@ -96,6 +102,7 @@ class RequestTimer:
         self.t0 = time.perf_counter()
         self._last = 0.0
         self.done = False
+        self.on_finish: Callable[[], None] | None = None
 
     def tokens(self, n: int) -> None:
         if n <= 0:
@@ -115,6 +122,8 @@ class RequestTimer:
         if self.done:
             return
         self.done = True
+        if self.on_finish is not None:
+            self.on_finish()
         self._m.requests.labels(self.endpoint, str(status)).inc()
         self._m.e2e.observe(time.perf_counter() - self.t0)
 

@@ -8,9 +8,11 @@ worker aborts its engine request.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import grpc
 import structlog
@@ -28,7 +30,7 @@ from conductor.registry import Instance, Registry
 from conductor.scheduler.router import Dispatch, Router
 from conductor.tokenizer import Tokenizer
 from protos import worker_pb2
-from store.block_hash import block_hashes
+from store.block_hash import block_hashes, extend_hashes
 
 log = structlog.get_logger(__name__)
 
@@ -91,6 +93,21 @@ class Outcome:
     blocks_loaded: int = 0
     warmed: list[str] = field(default_factory=list)
     """Prewarm: the instances that prefilled the prompt."""
+    retries: int = 0
+    retried: list[str] = field(default_factory=list)
+    """The stages retried on another instance (prefill, decode), in order."""
+    fallbacks: list[str] = field(default_factory=list)
+    """Fall-backs taken (prefill_on_decode)."""
+    migrations: int = 0
+    """Times the stream moved to another decode instance."""
+
+
+class ResilienceMetrics(Protocol):
+    """Where the pipeline counts the failure paths it took (`conductor.metrics.Metrics`)."""
+
+    def retry(self, stage: str) -> None: ...
+    def fallback(self, kind: str) -> None: ...
+    def migration(self) -> None: ...
 
 
 class Pipeline:
@@ -99,6 +116,7 @@ class Pipeline:
         self.registry = registry
         self.tokenizer = tokenizer
         self.router = Router(config, registry)
+        self.metrics: ResilienceMetrics | None = None
 
     def block_size(self) -> int:
         sizes = {i.info.block_size for i in self.registry.all()}
@@ -127,35 +145,136 @@ class Pipeline:
             tbt_slo_s=tbt_slo_s,
         )
 
-    def route(self, prep: Prepared) -> Dispatch:
+    def route(self, prep: Prepared, exclude: Collection[str] = ()) -> Dispatch:
         """Where the request runs (counted there from now on), or Overloaded / NoCapacity."""
         return self.router.route(prep.request_id, prep.token_ids, prep.block_hashes,
                                  prep.max_tokens, prep.block_size, prep.cache_salt,
-                                 prep.ttft_slo_s, prep.tbt_slo_s)
+                                 prep.ttft_slo_s, prep.tbt_slo_s, exclude)
 
     async def run(self, prep: Prepared, outcome: Outcome) -> AsyncIterator[Delta]:
         """Prefill on one instance, then stream the decode from another; a route with one
         instance (conditional disaggregation) skips the Prefill RPC: the decode instance
-        computes the short uncached part itself."""
-        dispatch = self.route(prep)
-        prefill, decode = dispatch.prefill, dispatch.decode
+        computes the short uncached part itself.
+
+        Failures of an instance (not of the request: a 4xx is never retried) are survived:
+        a failed prefill is retried on another prefill instance, or left to the decode
+        instance; a decode failing before its first token is retried elsewhere; a stream
+        broken after it continues on another decode instance from the tokens already sent
+        (the prompt's KV is in the pool, so the new instance computes little). Each path
+        counts in `outcome` and logs a marker; every retry waits a jittered backoff."""
         outcome.prompt_tokens = len(prep.token_ids)
-        outcome.prefill_instance = prefill.info.instance_id
-        outcome.decode_instance = decode.info.instance_id
         deadline = time.monotonic() + self.config.request_timeout_s
-        try:
-            if dispatch.route.disaggregated:
-                await self._prefill(prefill, prep, outcome, dispatch)
-            first = True
-            async for delta in self._decode(decode, prep, outcome, deadline):
-                if first:
-                    dispatch.first_token()
-                    first = False
-                dispatch.tokens(delta.token_ids, record=delta.index == 0)
-                yield delta
-            dispatch.decode_done()
-        finally:
-            dispatch.release()
+        exclude: set[str] = set()
+        sent: list[int] = []  # choice 0's tokens streamed so far
+        current = prep
+        broken: WorkerFailure | None = None  # the failure a continuation recovers from
+        done = False  # choice 0 finished: a failure after that loses nothing
+        last: WorkerFailure | None = None  # the latest failure: the answer if nothing else runs
+        while True:
+            try:
+                dispatch = self.route(current, exclude)
+            except ConductorError:
+                if last is not None:  # nowhere else to go: the failure itself is the answer
+                    raise last.error from None
+                raise
+            prefill, decode = dispatch.prefill, dispatch.decode
+            if broken is not None:
+                outcome.migrations += 1
+                if self.metrics is not None:
+                    self.metrics.migration()
+                log.warning("stream_migrated", request_id=prep.request_id,
+                            failed=broken.instance, to=decode.info.instance_id,
+                            tokens_sent=len(sent), error=broken.code.name)
+                broken = None
+            outcome.prefill_instance = prefill.info.instance_id
+            outcome.decode_instance = decode.info.instance_id
+            try:
+                if dispatch.route.disaggregated:
+                    try:
+                        await self._prefill(prefill, current, outcome, dispatch)
+                    except WorkerFailure as f:
+                        if not f.retryable:
+                            raise f.error from None
+                        dispatch.failed(f.instance)
+                        exclude.add(self._failed(f))
+                        last = f
+                        if self._others(prefill, exclude) and outcome.retries < MAX_RETRIES:
+                            await self._retry(outcome, "prefill", current.request_id, f)
+                            continue
+                        outcome.fallbacks.append("prefill_on_decode")
+                        if self.metrics is not None:
+                            self.metrics.fallback("prefill_on_decode")
+                        log.warning("fallback_prefill_on_decode", request_id=prep.request_id,
+                                    failed=f.instance, decode=decode.info.instance_id)
+                first = True
+                async for delta in self._decode(decode, current, outcome, deadline,
+                                                first_call=not sent and not outcome.migrations):
+                    if first:
+                        dispatch.first_token()
+                        first = False
+                    dispatch.tokens(delta.token_ids, record=delta.index == 0)
+                    if delta.index == 0:
+                        sent.extend(delta.token_ids)
+                        done = done or delta.finish_reason is not None
+                    yield delta
+                self.registry.call_succeeded(decode.info.instance_id)
+                dispatch.decode_done()
+                return
+            except WorkerFailure as f:
+                if not f.retryable:
+                    raise f.error from None
+                dispatch.failed(f.instance)
+                exclude.add(self._failed(f))
+                last = f
+                if done and (prep.params.n or 1) == 1:
+                    return
+                if not sent and outcome.retries < MAX_RETRIES:
+                    await self._retry(outcome, "decode", current.request_id, f)
+                    continue
+                if sent and outcome.migrations < MAX_MIGRATIONS and _continuable(prep):
+                    current = self._continued(prep, sent, outcome.migrations + 1)
+                    broken = f
+                    continue
+                raise f.error from None
+            finally:
+                dispatch.release()
+
+    def _failed(self, f: WorkerFailure) -> str:
+        """Count an instance's failure in its circuit breaker; the instance to avoid."""
+        self.registry.call_failed(f.instance, fatal=f.code in _UNREACHABLE,
+                                  cooldown_s=self.config.breaker_cooldown_s)
+        return f.instance
+
+    def _others(self, inst: Instance, exclude: set[str]) -> bool:
+        """Another routable prefill-capable instance than `inst` is up."""
+        return any(i.routable and i.instance_id not in exclude and i.role != "decode"
+                   for i in self.registry.all() if i is not inst)
+
+    async def _retry(self, outcome: Outcome, stage: str, request_id: str,
+                     f: WorkerFailure) -> None:
+        if self.metrics is not None:
+            self.metrics.retry(stage)
+        outcome.retries += 1
+        outcome.retried.append(stage)
+        log.warning("retry", request_id=request_id, stage=stage, failed=f.instance,
+                    error=f.code.name, attempt=outcome.retries)
+        await asyncio.sleep(min(BACKOFF_S * 2 ** (outcome.retries - 1), 1.0)
+                            * random.uniform(0.5, 1.5))
+
+    def _continued(self, prep: Prepared, sent: list[int], n: int) -> Prepared:
+        """The rest of a broken stream as a request of its own: the prompt and the tokens
+        already sent, for the tokens still owed."""
+        p = worker_pb2.SamplingParams()
+        p.CopyFrom(prep.params)
+        p.max_tokens = prep.params.max_tokens - len(sent)
+        p.min_tokens = max(prep.params.min_tokens - len(sent), 0)
+        tokens = prep.token_ids + sent
+        return replace(prep, request_id=f"{prep.request_id}-m{n}", token_ids=tokens,
+                       max_tokens=p.max_tokens, params=p,
+                       block_hashes=prep.block_hashes + tuple(extend_hashes(
+                           prep.block_hashes[-1] if prep.block_hashes else None,
+                           prep.token_ids[len(prep.block_hashes) * prep.block_size:] + sent,
+                           prep.block_size, prep.cache_salt)))
 
     async def prewarm(self, prep: Prepared, instances: list[str]) -> Outcome:
         """Prefill `prep` where the policy would (its blocks go to the pool), then on each of
@@ -171,13 +290,18 @@ class Pipeline:
         dispatch = self.route(prep)
         try:
             await self._prefill(dispatch.prefill, prep, outcome, dispatch)
+        except WorkerFailure as f:
+            raise f.error from None
         finally:
             dispatch.release()
         saved = outcome.blocks_saved
         outcome.warmed.append(dispatch.prefill.instance_id)
         for n, inst in enumerate(t for t in targets if t is not dispatch.prefill):
             one = replace(prep, request_id=f"{prep.request_id}-{n}")
-            reply = await self._prefill_rpc(inst, one)
+            try:
+                reply = await self._prefill_rpc(inst, one)
+            except WorkerFailure as f:
+                raise f.error from None
             saved += reply.blocks_saved
             self.router.index.store(inst.instance_id, prep.block_hashes)
             outcome.warmed.append(inst.instance_id)
@@ -186,13 +310,15 @@ class Pipeline:
 
     async def _prefill_rpc(self, inst: Instance, prep: Prepared) -> worker_pb2.PrefillReply:
         try:
-            return await inst.stub.Prefill(
+            reply = await inst.stub.Prefill(
                 worker_pb2.PrefillRequest(request_id=prep.request_id, token_ids=prep.token_ids,
                                           cache_salt=prep.cache_salt),
                 timeout=self.config.prefill_timeout_s,
             )
         except grpc.aio.AioRpcError as e:
-            raise _worker_error(e, inst, "prefill") from None
+            raise _failure(e, inst, "prefill") from None
+        self.registry.call_succeeded(inst.info.instance_id)
+        return reply
 
     async def _prefill(self, inst: Instance, prep: Prepared, outcome: Outcome,
                        dispatch: Dispatch) -> None:
@@ -206,8 +332,10 @@ class Pipeline:
                  blocks_saved=reply.blocks_saved, cached_tokens=reply.num_cached_tokens,
                  seconds=round(time.perf_counter() - t0, 4))
 
-    async def _decode(self, inst: Instance, prep: Prepared, outcome: Outcome, deadline: float
-                      ) -> AsyncIterator[Delta]:
+    async def _decode(self, inst: Instance, prep: Prepared, outcome: Outcome, deadline: float,
+                      first_call: bool = True) -> AsyncIterator[Delta]:
+        """The decode stream as deltas; WorkerFailure when the instance fails it.
+        `first_call`: the request's first decode (a continuation keeps the usage figures)."""
         call = inst.stub.Generate(
             worker_pb2.GenerateRequest(request_id=prep.request_id, token_ids=prep.token_ids,
                                        params=prep.params, cache_salt=prep.cache_salt),
@@ -223,12 +351,14 @@ class Pipeline:
                     async with asyncio.timeout(wait):
                         chunk = await call.read()
                 except TimeoutError:
-                    raise Timeout("no first token from the decode instance in time",
-                                  code="first_token_timeout") from None
+                    raise WorkerFailure(inst.info.instance_id, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                        Timeout("no first token from the decode instance in "
+                                                "time", code="first_token_timeout")) from None
                 if chunk is grpc.aio.EOF:
                     break
                 if first:
-                    outcome.cached_tokens = chunk.num_cached_tokens
+                    if first_call:
+                        outcome.cached_tokens = chunk.num_cached_tokens
                     first = False
                 outcome.completion_tokens += len(chunk.token_ids)
                 if chunk.finish_reason:
@@ -240,10 +370,11 @@ class Pipeline:
                 yield _delta(chunk, held)
                 held = []
             if unfinished:
-                raise UpstreamFailed(f"decode on {inst.info.instance_id} ended before choices "
-                                     f"{sorted(unfinished)} finished")
+                raise WorkerFailure(inst.info.instance_id, grpc.StatusCode.UNKNOWN, UpstreamFailed(
+                    f"decode on {inst.info.instance_id} ended before choices "
+                    f"{sorted(unfinished)} finished"))
         except grpc.aio.AioRpcError as e:
-            raise _worker_error(e, inst, "decode") from None
+            raise _failure(e, inst, "decode") from None
         finally:
             call.cancel()
 
@@ -275,7 +406,43 @@ def _logprob(token_id: int | None, top: worker_pb2.TokenLogprobs) -> TokenLogpro
                         tuple((e.token, e.logprob) for e in entries))
 
 
-def _worker_error(e: grpc.aio.AioRpcError, inst: Instance, stage: str) -> ConductorError:
+MAX_RETRIES = 2
+"""Retries per request (prefill elsewhere, decode before its first token elsewhere)."""
+MAX_MIGRATIONS = 2
+"""Times one stream may move to another decode instance."""
+BACKOFF_S = 0.05
+"""First retry's backoff; doubled per retry, capped at 1 s, jittered by ±50%."""
+
+_RETRYABLE = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+})
+"""Failures of the instance, not of the request (CANCELLED: its channel was closed as it
+left the cluster; our own cancellations arrive as CancelledError instead)."""
+_UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+"""Failures that open the instance's breaker at once."""
+
+
+class WorkerFailure(Exception):
+    """A worker call failed; `error` is what the client gets if nothing else works."""
+
+    def __init__(self, instance: str, code: grpc.StatusCode, error: ConductorError) -> None:
+        super().__init__(error.message)
+        self.instance = instance
+        self.code = code
+        self.error = error
+        self.retryable = code in _RETRYABLE
+
+
+def _continuable(prep: Prepared) -> bool:
+    """A broken stream can go on elsewhere: one choice, no prompt logprobs to resend."""
+    p = prep.params
+    return (p.n or 1) == 1 and not p.HasField("prompt_logprobs")
+
+
+def _failure(e: grpc.aio.AioRpcError, inst: Instance, stage: str) -> WorkerFailure:
     log.warning("worker_rpc_failed", instance=inst.info.instance_id, stage=stage,
                 code=e.code().name, details=e.details())
-    return from_worker_status(e.code(), f"{stage} on {inst.info.instance_id}: {e.details()}")
+    return WorkerFailure(inst.info.instance_id, e.code(), from_worker_status(
+        e.code(), f"{stage} on {inst.info.instance_id}: {e.details()}"))

@@ -4,6 +4,7 @@ the routing policy; listeners (the router) hear joins and leaves."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -18,6 +19,9 @@ from protos import worker_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
+BREAKER_THRESHOLD = 3
+"""Failed worker calls in a row that open an instance's circuit breaker."""
+
 
 @dataclass
 class Instance:
@@ -30,6 +34,11 @@ class Instance:
     go on."""
     unhealthy: bool = False
     """Its health service did not answer SERVING at the last check: not routed to."""
+    failures: int = 0
+    """Worker calls failed in a row (transport or server errors, not the caller's)."""
+    open_until: float = 0.0
+    """Circuit breaker: not routed to before this time (monotonic); then half-open: routed
+    again, and the next failure opens it at once."""
 
     @property
     def instance_id(self) -> str:
@@ -43,11 +52,12 @@ class Instance:
 
     @property
     def routable(self) -> bool:
-        return not self.draining and not self.unhealthy
+        return not self.draining and not self.unhealthy and not self.open_until
 
     @property
     def state(self) -> str:
-        return "unhealthy" if self.unhealthy else "draining" if self.draining else "serving"
+        return ("unhealthy" if self.unhealthy else "draining" if self.draining
+                else "broken" if self.open_until else "serving")
 
 
 class RegistryListener(Protocol):
@@ -62,6 +72,8 @@ class Registry:
         self._snap: ClusterSnapshot | None = None
         """The last snapshot, patched with the loads changed since (`_dirty`); None: rebuild."""
         self._dirty: set[str] = set()
+        self._next_close = float("inf")
+        """The earliest end of an open breaker's cool-down."""
 
     def listen(self, listener: RegistryListener) -> None:
         """Tell `listener` of every instance now and of joins and leaves from now on."""
@@ -123,6 +135,42 @@ class Registry:
             else:
                 log.info("instance_healthy", instance_id=instance_id)
 
+    def call_failed(self, instance_id: str, fatal: bool, cooldown_s: float) -> None:
+        """A worker call failed. The breaker opens after BREAKER_THRESHOLD failures in a row, at
+        once when `fatal` (the instance is unreachable) or when half-open."""
+        inst = self._instances.get(instance_id)
+        if inst is None:
+            return
+        inst.failures += 1
+        if fatal or inst.failures >= BREAKER_THRESHOLD:
+            until = time.monotonic() + cooldown_s
+            if not inst.open_until:
+                log.warning("breaker_open", instance_id=instance_id, failures=inst.failures,
+                            cooldown_s=cooldown_s)
+            inst.open_until = until
+            self._next_close = min(self._next_close, until)
+            self._snap = None
+
+    def call_succeeded(self, instance_id: str) -> None:
+        inst = self._instances.get(instance_id)
+        if inst is not None and inst.failures:
+            inst.failures = 0
+
+    def _half_open(self, now: float) -> None:
+        """Breakers whose cool-down ended let traffic through again (half-open: one more
+        failure opens them at once, as `failures` stays at the threshold)."""
+        nxt = float("inf")
+        for inst in self._instances.values():
+            if inst.open_until:
+                if inst.open_until <= now:
+                    inst.open_until = 0.0
+                    inst.failures = max(inst.failures, BREAKER_THRESHOLD - 1)
+                    self._snap = None
+                    log.info("breaker_half_open", instance_id=inst.instance_id)
+                else:
+                    nxt = min(nxt, inst.open_until)
+        self._next_close = nxt
+
     def set_role(self, instance_id: str, role: str) -> Instance:
         """Route an instance registered as "both" as `role` (prefill, decode or both)."""
         inst = self._instances[instance_id]
@@ -151,6 +199,8 @@ class Registry:
         """The routable (not draining, not unhealthy) instances' loads, frozen. Kept up to
         date by patching the previous snapshot with the instances changed since
         (`LoadState.on_change`, `mark_changed`): its cost follows changes, not cluster size."""
+        if self._next_close <= time.monotonic():
+            self._half_open(time.monotonic())
         snap, dirty = self._snap, self._dirty
         params = params or (snap.params if snap is not None else SchedulerParams())
         cached = cached_blocks or _none

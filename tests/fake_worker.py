@@ -29,6 +29,14 @@ class Knobs:
     """Decode fails (gRPC INTERNAL) after sending this many chunks."""
     prefill_status: grpc.StatusCode | None = None
     """Prefill fails with this status."""
+    decode_status: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    """The status of the `fail_after_chunks` failure."""
+    fail_budget: list[int] | None = None
+    """When set, decode failures happen only while it is positive (each takes one); share
+    one list between workers' knobs to fail just the first stream, wherever it lands."""
+    continue_sequence: bool = False
+    """Generate `t<k>` tokens k = last prompt token + 1, + 2, ... (like a greedy model, a
+    stream continued from prompt + output goes on where it broke) instead of w0, w1, ..."""
 
 
 @dataclass
@@ -75,9 +83,12 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 for index in range(p.n or 1):
                     if texts[index] is None:
                         continue
-                    if self.knobs.fail_after_chunks is not None \
-                            and sent >= self.knobs.fail_after_chunks:
-                        await context.abort(grpc.StatusCode.INTERNAL, "injected engine error")
+                    k = self.knobs
+                    if k.fail_after_chunks is not None and sent >= k.fail_after_chunks \
+                            and (k.fail_budget is None or k.fail_budget[0] > 0):
+                        if k.fail_budget is not None:
+                            k.fail_budget[0] -= 1
+                        await context.abort(k.decode_status, "injected engine error")
                     await asyncio.sleep(self.knobs.token_delay_s)
                     yield self._chunk(p, request, step, index, texts, first=sent == 0)
                     sent += 1
@@ -88,14 +99,18 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             self.counts.running -= 1
 
     def _chunk(self, p, request, step: int, index: int, texts: list, first: bool):
-        text = f"w{step} "
-        chunk = worker_pb2.GenerateChunk(token_ids=[10 + step], text=text, index=index)
+        if self.knobs.continue_sequence:
+            token = request.token_ids[-1] + 1 + step
+            text = f"t{token} "
+        else:
+            token, text = 10 + step, f"w{step} "
+        chunk = worker_pb2.GenerateChunk(token_ids=[token], text=text, index=index)
         if first:
             chunk.num_prompt_tokens = len(request.token_ids)
         if p.logprobs:
             chunk.logprobs.append(-0.5)
             top = chunk.top_logprobs.add()
-            top.top.add(token_id=10 + step, logprob=-0.5, token=text)
+            top.top.add(token_id=token, logprob=-0.5, token=text)
             for j in range(p.logprobs):
                 top.top.add(token_id=1000 + j, logprob=-1.0 - j, token=f"alt{j}")
         if first and p.HasField("prompt_logprobs"):

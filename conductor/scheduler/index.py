@@ -127,6 +127,16 @@ class KVIndex:
         self._set(1 << slot, slot, hashes, predicted=True)
         self._expiry.append((now + self.ttl_s, 1 << slot, hashes))
 
+    def withdraw(self, name: str, hashes: Iterable[int]) -> None:
+        """Take back predictions (not confirmed bits): the routed request failed there."""
+        slot = self._slot.get(name)
+        if slot is None:
+            return
+        bit, pred = 1 << slot, self._predicted
+        stale = [h for h in hashes if pred.get(h, 0) & bit]
+        if stale:
+            self._drop_bit(bit, slot, stale)
+
     def remove(self, name: str, hashes: Iterable[int]) -> None:
         """The location no longer holds these blocks (evicted)."""
         slot = self._slot.get(name)

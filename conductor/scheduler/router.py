@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -119,12 +120,17 @@ class Router:
 
     def route(self, request_id: str, token_ids: list[int], block_hashes: tuple[int, ...],
               max_tokens: int, block_size: int, cache_salt: str = "",
-              ttft_slo_s: float | None = None, tbt_slo_s: float | None = None) -> Dispatch:
+              ttft_slo_s: float | None = None, tbt_slo_s: float | None = None,
+              exclude: Collection[str] = ()) -> Dispatch:
         """Choose where the request runs and count it there; raise Overloaded (429) or
-        NoCapacity (503) instead when it cannot be placed."""
+        NoCapacity (503) instead when it cannot be placed. `exclude`: instances this request
+        must not use (they failed it)."""
         now = time.monotonic()
         self.index.expire(now)
         snap = self.snapshot(now, block_size)
+        if exclude:
+            snap = ClusterSnapshot(tuple(i for i in snap.instances
+                                         if i.instance_id not in exclude), now, snap.params)
         self._seq += 1
         req = RouteRequest(len(token_ids), block_hashes, self.index.match(block_hashes),
                            max_tokens, self._seq, ttft_slo_s, tbt_slo_s)
@@ -254,6 +260,14 @@ class Dispatch:
             self.router.tbt_fit.observe(self._batch_sum / n, self._kv_sum / n,
                                         (self._last_token_at - self._first_token_at) / steps)
         self.release()
+
+    def failed(self, instance_id: str) -> None:
+        """The request failed on that instance: what it was predicted to leave there (and,
+        for a failed prefill, in the pool) will not be."""
+        idx = self.router.index
+        idx.withdraw(instance_id, self.block_hashes)
+        if instance_id == self.prefill.instance_id and self._prefill_open:
+            idx.withdraw(POOL, self.block_hashes)
 
     def release(self) -> None:
         """End the request's load wherever it is still counted; idempotent."""

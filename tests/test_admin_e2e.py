@@ -1,0 +1,236 @@
+"""Membership and control on the real stack: an embedded cluster (2 prefill, 1 decode), its
+conductor's admin API, real engines, a real etcd and Mooncake master.
+
+- ResizePool starts a decode worker under steady traffic, Drain lets the first one finish,
+  shrinking retires the started one: no request fails.
+- kill -9 of a worker: out of routing within the health-check interval, out of etcd within
+  the lease TTL.
+- etcd stopped under traffic: requests keep succeeding; after it returns, a new worker joins.
+- Prewarm of a long prefix: the requests sharing it find it cached and their mean TTFT is
+  lower than that of requests sharing a prefix nobody prewarmed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import threading
+import time
+
+import aetcd
+import grpc
+import httpx
+import pytest
+
+from conductor.launcher import ClusterSpec, EmbeddedCluster
+from protos import admin_pb2, admin_pb2_grpc
+
+LEASE_TTL = 3.0
+HEALTH_S = 0.5
+PREFIX = "/kvcluster/instances/"
+
+
+@pytest.fixture(scope="module")
+def ctl(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
+    spec = ClusterSpec(model=model_dir, prefill=2, decode=1, http_port=0,
+                       run_dir=str(tmp_path_factory.mktemp("admin-cluster")), block_size=32,
+                       max_model_len=2048, dtype="float32", kv_cache_bytes=192 << 20,
+                       pool_segment_bytes=256 << 20, lease_ttl=LEASE_TTL,
+                       conductor_args=("--health-interval-s", str(HEALTH_S)))
+    c = EmbeddedCluster(spec)
+    c.start(timeout=300)
+    try:
+        wait_for(lambda: len(instances(c)) == 3, 240, every=0.5)  # ready means one of each
+        yield c
+    finally:
+        c.stop()
+
+
+def admin(c: EmbeddedCluster, token: str | None = None):
+    stub = admin_pb2_grpc.AdminStub(grpc.insecure_channel(c.admin_addr))
+    md = (("authorization", f"Bearer {token or c.token_file.read_text().strip()}"),)
+
+    def call(name: str, request, timeout: float = 30.0):
+        return getattr(stub, name)(request, metadata=md, timeout=timeout)
+    return call
+
+
+def instances(c: EmbeddedCluster) -> dict[str, admin_pb2.Instance]:
+    reply = admin(c)("ListInstances", admin_pb2.ListInstancesRequest())
+    return {i.instance_id: i for i in reply.instances}
+
+
+def complete(c: EmbeddedCluster, prompt: str | list[int], max_tokens: int = 4,
+             **extra) -> httpx.Response:
+    return httpx.post(f"{c.url}/v1/completions", timeout=120, json={
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra})
+
+
+class Traffic:
+    """Requests one after another from `threads` threads until stopped; every status kept."""
+
+    def __init__(self, c: EmbeddedCluster, threads: int = 2) -> None:
+        self.c = c
+        self.statuses: list[int] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(n,), daemon=True)
+                         for n in range(threads)]
+
+    def _run(self, n: int) -> None:
+        i = 0
+        while not self._stop.is_set():
+            i += 1
+            try:
+                r = complete(self.c, f"thread {n} request {i}: " + "tell me more " * 20,
+                             max_tokens=8, stream=i % 2 == 0)
+                self.statuses.append(r.status_code)
+                if r.status_code != 200 or (r.text.count("[DONE]") != 1 and i % 2 == 0):
+                    self.errors.append(f"{r.status_code} {r.text[:300]}")
+            except httpx.HTTPError as e:
+                self.statuses.append(0)
+                self.errors.append(repr(e))
+
+    def __enter__(self) -> Traffic:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=150)
+
+
+def wait_for(predicate, timeout: float, every: float = 0.1) -> float:
+    """Seconds until `predicate()` held; fails the test after `timeout`."""
+    t0 = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - t0 < timeout, "condition not reached in time"
+        time.sleep(every)
+    return time.monotonic() - t0
+
+
+def etcd_keys(c: EmbeddedCluster) -> set[str]:
+    async def keys() -> set[str]:
+        async with aetcd.Client("127.0.0.1", c.etcd.client_port, timeout=2) as client:
+            return {kv.key.decode() for kv in await client.get_prefix(PREFIX.encode())}
+    return asyncio.run(keys())
+
+
+def test_wrong_token_is_refused_and_the_pool_is_unchanged(ctl):
+    before = instances(ctl)
+    with pytest.raises(grpc.RpcError) as e:
+        admin(ctl, token="not-the-token")("ResizePool", admin_pb2.ResizePoolRequest(
+            role="decode", target=3))
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    time.sleep(1.0)
+    after = instances(ctl)
+    assert after.keys() == before.keys() and len(ctl.workers) == 3
+    assert all(i.state == "serving" for i in after.values())
+
+
+def test_resize_up_drain_and_resize_down_under_traffic_lose_nothing(ctl):
+    call = admin(ctl)
+    with Traffic(ctl) as traffic:
+        wait_for(lambda: len(traffic.statuses) >= 4, 60)
+        r = call("ResizePool", admin_pb2.ResizePoolRequest(role="decode", target=2, wait=True,
+                                                           timeout_s=240), timeout=260)
+        assert list(r.started) == ["decode-s0"] and (r.before, r.after) == (1, 2), r
+        assert instances(ctl)["decode-s0"].state == "serving"
+        wait_for(lambda: instances(ctl)["decode-s0"].dispatched_total > 0, 60)
+        d = call("Drain", admin_pb2.DrainRequest(instance_id="decode-0", wait=True,
+                                                 timeout_s=120), timeout=130)
+        assert d.idle and d.state == "draining" and d.in_flight == 0
+        served = instances(ctl)["decode-0"].dispatched_total
+        n = len(traffic.statuses)
+        wait_for(lambda: len(traffic.statuses) >= n + 4, 60)
+        assert instances(ctl)["decode-0"].dispatched_total == served  # nothing new there
+        # back to one decode instance: the one started by the resize is drained and retired
+        call("Undrain", admin_pb2.DrainRequest(instance_id="decode-0"))
+        r = call("ResizePool", admin_pb2.ResizePoolRequest(role="decode", target=1))
+        assert list(r.drained) == ["decode-s0"] and r.after == 1, r
+        wait_for(lambda: "decode-s0" not in instances(ctl), 60)
+        n = len(traffic.statuses)
+        wait_for(lambda: len(traffic.statuses) >= n + 4, 60)
+    assert traffic.errors == [] and len(traffic.statuses) >= 12, traffic.errors[:5]
+    assert f"{PREFIX}decode-s0" not in etcd_keys(ctl)
+
+
+def test_kill9_leaves_routing_within_the_health_interval_and_etcd_within_the_ttl(ctl):
+    assert f"{PREFIX}prefill-1" in etcd_keys(ctl)
+    ctl.stop_worker("prefill-1", kill=True)
+    t_out = wait_for(lambda: (i := instances(ctl).get("prefill-1")) is None
+                     or i.state == "unhealthy", 10, every=0.05)
+    assert t_out <= HEALTH_S + 1.0, f"still routed {t_out:.2f}s after kill -9"
+    statuses = [complete(ctl, f"after the kill {n}: " + "and then " * 30).status_code
+                for n in range(6)]
+    assert statuses == [200] * 6
+    t_gone = wait_for(lambda: f"{PREFIX}prefill-1" not in etcd_keys(ctl), LEASE_TTL + 10,
+                      every=0.2)
+    assert t_out + t_gone <= LEASE_TTL + 2.0, f"etcd entry outlived the lease: {t_gone:.1f}s"
+    wait_for(lambda: "prefill-1" not in instances(ctl), 5)
+
+
+def test_etcd_outage_keeps_serving_and_a_new_worker_joins_after(ctl):
+    ctl.etcd.stop()
+    try:
+        t0 = time.monotonic()
+        statuses = []
+        while time.monotonic() - t0 < 2 * LEASE_TTL:
+            statuses.append(complete(ctl, f"etcd is down {len(statuses)}: " + "go on " * 30)
+                            .status_code)
+        assert statuses and set(statuses) == {200}, statuses
+    finally:
+        ctl.etcd.start()
+    wp = ctl.start_worker("prefill")
+    wait_for(lambda: (i := instances(ctl).get(wp.instance_id)) is not None
+             and i.state == "serving", 240, every=0.5)
+    wait_for(lambda: {"prefill-0", "decode-0"} <= instances(ctl).keys(), 30)
+    assert complete(ctl, "etcd is back: " + "fine " * 30).status_code == 200
+
+
+def _ttft(c: EmbeddedCluster, prompt: list[int]) -> tuple[float, int]:
+    """Seconds to the first streamed token, and the cached prompt tokens reported."""
+    t0 = time.perf_counter()
+    first = None
+    cached = -1
+    with httpx.stream("POST", f"{c.url}/v1/completions", timeout=120, json={
+            "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and chunk["choices"] and chunk["choices"][0]["text"]:
+                first = time.perf_counter() - t0
+            if chunk.get("usage"):
+                cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert first is not None
+    return first, cached
+
+
+def test_prewarm_makes_the_prefix_cached_and_lowers_mean_ttft(ctl, tokenizer):
+    call = admin(ctl)
+    vocab = tokenizer.vocab_size
+
+    def prefix(seed: int) -> list[int]:
+        return [(seed * 7919 + i * 104729) % (vocab - 10) + 5 for i in range(1800)]
+
+    def tail(n: int) -> list[int]:
+        return [(n * 31 + i) % (vocab - 10) + 5 for i in range(40)]
+
+    n_requests = 4
+    cold = [_ttft(ctl, prefix(1) + tail(n)) for n in range(n_requests)]
+    r = call("Prewarm", admin_pb2.PrewarmRequest(token_ids=prefix(2)), timeout=120)
+    assert r.blocks == 1800 // 32 and r.blocks_in_pool == r.blocks, r
+    warm = [_ttft(ctl, prefix(2) + tail(n)) for n in range(n_requests)]
+    prewarmed_tokens = r.blocks * 32
+    assert all(cached >= prewarmed_tokens for _, cached in warm), warm
+    mean_cold = statistics.mean(t for t, _ in cold)
+    mean_warm = statistics.mean(t for t, _ in warm)
+    print(f"prewarm: mean TTFT cold {mean_cold * 1000:.1f} ms, prewarmed "
+          f"{mean_warm * 1000:.1f} ms (first cold {cold[0][0] * 1000:.1f} ms)")
+    assert mean_warm < mean_cold

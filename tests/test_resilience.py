@@ -1,0 +1,169 @@
+"""Failure paths of the conductor over fake workers whose faults are injected per instance:
+each path must run (its metric moves) and the client must get the whole answer, or a clean
+error when nothing can be done. Kills of real processes are in tests/test_admin_e2e.py and
+`make chaos`; the pool's own fall-backs (recompute) in tests/test_connector.py."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import grpc
+import httpx
+import pytest
+from fake_worker import Knobs, LocalConductor
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """A counter's value in the conductor's /metrics (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pattern = rf"^{name}(\{{{re.escape(want)}\}})? ([0-9.e+]+)$" if want else \
+        rf"^{name} ([0-9.e+]+)$"
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        m = re.match(pattern, line)
+        if m:
+            return float(m.groups()[-1])
+    return 0.0
+
+
+def complete(url: str, prompt: list[int], max_tokens: int = 6, stream: bool = False
+             ) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", timeout=30, json={
+        "prompt": prompt, "max_tokens": max_tokens, "stream": stream})
+
+
+def streamed_text(r: httpx.Response) -> tuple[str, list[dict]]:
+    events = [line[6:] for line in r.text.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events[-3:]
+    chunks = [json.loads(e) for e in events[:-1]]
+    return "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")), chunks
+
+
+PROMPT = list(range(100, 164))
+
+
+def expected(prompt: list[int], n: int) -> str:
+    return "".join(f"t{prompt[-1] + 1 + k} " for k in range(n))
+
+
+def test_a_failed_prefill_is_retried_on_another_prefill_instance(model_dir):
+    with LocalConductor(model_dir, roles=("prefill", "prefill", "decode"),
+                        knobs=Knobs(continue_sequence=True),
+                        conductor_args=("--local-prefill-max-tokens", "0")) as c:
+        bad = c.workers["prefill-0"]
+        bad.knobs = Knobs(continue_sequence=True, prefill_status=grpc.StatusCode.UNAVAILABLE)
+        for n in range(4):
+            r = complete(c.url, PROMPT + [n])
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected(
+                PROMPT + [n], 6)
+        assert c.workers["prefill-1"].counts.prefills == 4
+        # prefill-0 failed once, then its breaker kept it out of routing
+        assert bad.counts.prefills == 1
+        assert metric(c.url, "kvcluster_retries_total", stage="prefill") == 1
+
+
+def test_with_no_other_prefill_instance_the_decode_instance_prefills(model_dir):
+    with LocalConductor(model_dir, knobs=Knobs(continue_sequence=True),
+                        conductor_args=("--local-prefill-max-tokens", "0")) as c:
+        c.worker("prefill").knobs = Knobs(continue_sequence=True,
+                                          prefill_status=grpc.StatusCode.DEADLINE_EXCEEDED)
+        r = complete(c.url, PROMPT)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected(PROMPT, 6)
+        assert metric(c.url, "kvcluster_fallbacks_total", kind="prefill_on_decode") == 1
+
+
+def _first_stream_fails(c: LocalConductor, after_chunks: int, **knobs) -> None:
+    """The first Generate, on whichever decode instance it lands, fails after that many
+    chunks with UNAVAILABLE (as a killed worker's stream does); the rest work."""
+    budget = [1]
+    for w in c.workers.values():
+        w.knobs = Knobs(continue_sequence=True, fail_after_chunks=after_chunks,
+                        decode_status=grpc.StatusCode.UNAVAILABLE, fail_budget=budget,
+                        **knobs)
+
+
+def test_a_decode_failing_before_its_first_token_is_retried_elsewhere(model_dir):
+    with LocalConductor(model_dir, roles=("prefill", "decode", "decode")) as c:
+        _first_stream_fails(c, 0)
+        text, _ = streamed_text(complete(c.url, PROMPT, stream=True))
+        assert text == expected(PROMPT, 6)
+        assert [w.counts.generates for w in c.workers.values()] in ([0, 1, 1], [0, 1, 1])
+        assert metric(c.url, "kvcluster_retries_total", stage="decode") == 1
+        assert metric(c.url, "kvcluster_stream_migrations_total") == 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_stream_broken_mid_way_continues_on_another_decode_instance(model_dir, stream):
+    with LocalConductor(model_dir, roles=("prefill", "decode", "decode")) as c:
+        _first_stream_fails(c, 3, token_delay_s=0.01)
+        r = complete(c.url, PROMPT, max_tokens=10, stream=stream)
+        assert r.status_code == 200
+        if stream:
+            text, chunks = streamed_text(r)
+            assert len({ch["id"] for ch in chunks}) == 1  # one response, not two spliced
+        else:
+            body = r.json()
+            text = body["choices"][0]["text"]
+            assert body["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 10,
+                                     "total_tokens": len(PROMPT) + 10,
+                                     **({"prompt_tokens_details": body["usage"].get(
+                                         "prompt_tokens_details")}
+                                        if "prompt_tokens_details" in body["usage"] else {})}
+        assert text == expected(PROMPT, 10)  # nothing lost, nothing repeated
+        assert metric(c.url, "kvcluster_stream_migrations_total") == 1
+        # the continuation asked only for the tokens still owed, after the ones sent
+        cont = [w for w in c.workers.values() if w.counts.generates and w.counts.request_ids
+                and w.counts.request_ids[-1].endswith("-m1")]
+        assert len(cont) == 1 and cont[0].counts.last_params.max_tokens == 7
+
+
+def test_an_unrecoverable_stream_ends_with_an_error_event_and_done(model_dir):
+    with LocalConductor(model_dir, knobs=Knobs(continue_sequence=True, fail_after_chunks=2,
+                                               decode_status=grpc.StatusCode.UNAVAILABLE)) as c:
+        r = complete(c.url, PROMPT, max_tokens=8, stream=True)
+        events = [line[6:] for line in r.text.split("\n\n") if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
+        assert metric(c.url, "kvcluster_stream_migrations_total") == 0  # nowhere to go
+
+
+def test_a_client_error_from_the_worker_is_not_retried(model_dir):
+    with LocalConductor(model_dir, roles=("prefill", "prefill", "decode"),
+                        knobs=Knobs(prefill_status=grpc.StatusCode.INVALID_ARGUMENT),
+                        conductor_args=("--local-prefill-max-tokens", "0")) as c:
+        r = complete(c.url, PROMPT)
+        assert r.status_code == 400
+        assert sum(w.counts.prefills for w in c.workers.values()) == 1
+        assert metric(c.url, "kvcluster_retries_total", stage="prefill") == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_nothing_healthy_is_a_fast_503(model_dir, stream):
+    with LocalConductor(model_dir, roles=("prefill", "decode"),
+                        knobs=Knobs(prefill_status=grpc.StatusCode.UNAVAILABLE,
+                                    fail_after_chunks=0,
+                                    decode_status=grpc.StatusCode.UNAVAILABLE),
+                        conductor_args=("--local-prefill-max-tokens", "0")) as c:
+        r = complete(c.url, PROMPT, stream=stream)
+        assert r.status_code in (502, 503), r.text
+        assert r.json()["error"]["code"] == r.status_code
+
+
+def test_beyond_max_in_flight_new_requests_get_a_fast_429_and_nothing_leaks(model_dir):
+    import threading
+    import time
+
+    with LocalConductor(model_dir, knobs=Knobs(prefill_delay_s=1.0),
+                        conductor_args=("--max-in-flight", "1",
+                                        "--local-prefill-max-tokens", "0")) as c:
+        first: list[httpx.Response] = []
+        t = threading.Thread(target=lambda: first.append(complete(c.url, PROMPT)))
+        t.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        r = complete(c.url, PROMPT)
+        assert r.status_code == 429 and time.monotonic() - t0 < 0.5
+        assert r.headers["retry-after"] == "1"
+        t.join(10)
+        assert first[0].status_code == 200
+        for stream in (False, True, False):  # the count came back down each time
+            assert complete(c.url, PROMPT, stream=stream).status_code == 200
