@@ -8,6 +8,8 @@ conductor's admin API, real engines, a real etcd and Mooncake master.
 - etcd stopped under traffic: requests keep succeeding; after it returns, a new worker joins.
 - Prewarm of a long prefix: the requests sharing it find it cached and their mean TTFT is
   lower than that of requests sharing a prefix nobody prewarmed.
+- kill -9 of the decode worker serving a stream: the stream continues on another decode
+  instance, token for token what an undisturbed run of the same request gives.
 """
 
 from __future__ import annotations
@@ -37,7 +39,10 @@ def ctl(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
                        run_dir=str(tmp_path_factory.mktemp("admin-cluster")), block_size=32,
                        max_model_len=2048, dtype="float32", kv_cache_bytes=192 << 20,
                        pool_segment_bytes=256 << 20, lease_ttl=LEASE_TTL,
-                       conductor_args=("--health-interval-s", str(HEALTH_S)))
+                       # SLOs out of the way: these tests are about membership and control,
+                       # on a machine whose other tests may slow every engine down
+                       conductor_args=("--health-interval-s", str(HEALTH_S),
+                                       "--ttft-slo-s", "600", "--tbt-slo-s", "30"))
     c = EmbeddedCluster(spec)
     c.start(timeout=300)
     try:
@@ -234,3 +239,47 @@ def test_prewarm_makes_the_prefix_cached_and_lowers_mean_ttft(ctl, tokenizer):
     print(f"prewarm: mean TTFT cold {mean_cold * 1000:.1f} ms, prewarmed "
           f"{mean_warm * 1000:.1f} ms (first cold {cold[0][0] * 1000:.1f} ms)")
     assert mean_warm < mean_cold
+
+
+def _metric(c: EmbeddedCluster, name: str) -> float:
+    for line in httpx.get(f"{c.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def test_a_stream_whose_decode_worker_is_killed_continues_elsewhere_token_for_token(ctl):
+    body = {"prompt": "Once upon a time " * 20, "max_tokens": 160, "temperature": 0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    if len([i for i in instances(ctl).values() if i.role == "decode"]) < 2:
+        wp = ctl.start_worker("decode")
+        wait_for(lambda: (i := instances(ctl).get(wp.instance_id)) is not None
+                 and i.state == "serving", 240, every=0.5)
+
+    def run(kill_after: int | None) -> tuple[list[int], str]:
+        ids, text, killed = [], "", None
+        with httpx.stream("POST", f"{ctl.url}/v1/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                choice = chunk["choices"][0]
+                ids += choice.get("token_ids") or []
+                text += choice["text"]
+                if kill_after is not None and killed is None and len(ids) >= kill_after:
+                    busy = [i for i in instances(ctl).values()
+                            if i.role == "decode" and i.running > 0]
+                    assert len(busy) == 1, busy
+                    killed = busy[0].instance_id
+                    ctl.stop_worker(killed, kill=True)
+        assert kill_after is None or killed is not None
+        return ids, text
+
+    before = _metric(ctl, "kvcluster_stream_migrations_total")
+    broken_ids, broken_text = run(kill_after=20)
+    assert _metric(ctl, "kvcluster_stream_migrations_total") == before + 1
+    clean_ids, clean_text = run(kill_after=None)
+    assert len(broken_ids) == len(clean_ids) == 160
+    assert broken_ids == clean_ids and broken_text == clean_text
