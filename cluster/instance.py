@@ -13,7 +13,8 @@ ROLES = ("prefill", "decode", "both")
 
 @dataclass(frozen=True)
 class InstanceInfo:
-    """One worker instance. Encoded as a JSON object with exactly these fields, no more or less.
+    """One worker instance. Encoded as a JSON object with these fields (those with defaults
+    may be absent: older workers), no others.
 
     Invalid values raise ValueError (TypeError for a wrong type; `from_json` turns both into
     ValueError).
@@ -27,6 +28,7 @@ class InstanceInfo:
     capacity_tokens: int  # KV-cache capacity, in tokens
     version: str
     started_at: float = field(default_factory=time.time)  # Unix time
+    kv_namespace: str = ""  # prefix of its blocks' pool keys (model and KV layout)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -47,6 +49,8 @@ class InstanceInfo:
                 raise ValueError(f"{name} must be non-negative, not {value!r}")
         if self.block_size == 0:
             raise ValueError("block_size must be positive")
+        if not isinstance(self.kv_namespace, str) or "/" in self.kv_namespace:
+            raise ValueError(f"kv_namespace must be a string without '/': {self.kv_namespace!r}")
         if not isinstance(self.started_at, (int, float)) or isinstance(self.started_at, bool):
             raise TypeError(f"started_at must be a number, not {self.started_at!r}")
         object.__setattr__(self, "started_at", float(self.started_at))
@@ -68,8 +72,11 @@ class InstanceInfo:
         obj: Any = json.loads(data)
         if not isinstance(obj, dict):
             raise ValueError(f"InstanceInfo JSON must be an object, not {type(obj).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown, missing = set(obj) - names, names - set(obj)
+        fields = dataclasses.fields(cls)
+        names = {f.name for f in fields}
+        required = {f.name for f in fields if f.default is dataclasses.MISSING
+                    and f.default_factory is dataclasses.MISSING}
+        unknown, missing = set(obj) - names, required - set(obj)
         if unknown or missing:
             raise ValueError(
                 f"InstanceInfo JSON: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}"

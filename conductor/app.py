@@ -54,6 +54,7 @@ from conductor.provision import Provisioner
 from conductor.registry import Registry
 from conductor.response import ResponseSpec, collect, stream
 from conductor.sampling import ModelDefaults, sampling
+from conductor.scheduler.pool_sync import PoolSync
 from conductor.tokenizer import Tokenizer
 from protos import worker_pb2
 
@@ -92,6 +93,7 @@ class Conductor:
         self.provisioner = Provisioner(WorkerSpec.load(config.embedded_workers)
                                        if config.embedded_workers else None)
         self.admin: AdminServer | None = None
+        self.pool_sync: PoolSync | None = None
         self.in_flight = 0
         """Requests being answered (a stream counts until its generator ends)."""
 
@@ -102,11 +104,19 @@ class Conductor:
         self.health = HealthChecker(self.registry, self.config.health_interval_s)
         await self.watcher.start()
         self.registry.sync(self.watcher.members())
+        if self.config.pool_keys_url:
+            self.pool_sync = PoolSync(
+                self.pipeline.router.index, self.config.pool_keys_url,
+                lambda: {i.info.kv_namespace for i in self.registry.all() if i.info.kv_namespace},
+                self.config.pool_sync_s)
+            self.pool_sync.start()
         if self.config.admin_port:
             self.admin = AdminServer(self, self.provisioner)
             await self.admin.start()
 
     async def stop(self) -> None:
+        if self.pool_sync is not None:
+            await self.pool_sync.close()
         if self.admin is not None:
             await self.admin.stop()
         await self.watcher.close()

@@ -47,6 +47,11 @@ class ConductorConfig:
     """The KV index forgets the least recently stored blocks beyond this many."""
     predicted_ttl_s: float = 10.0
     """How long a routed request's predicted blocks count without an event confirming them."""
+    pool_keys_url: str = ""
+    """The Mooncake master's HTTP server (its metrics port, e.g. http://127.0.0.1:9003): the
+    index follows the pool's key listing there (evictions, restarts). Empty: off."""
+    pool_sync_s: float = 10.0
+    """How often the pool's key listing is read."""
     kv_events: bool = True
     """Follow the workers' KV event streams (exact local caches); off: replies only."""
     admin_host: str = "127.0.0.1"
@@ -82,6 +87,7 @@ class ConductorConfig:
         for name in ("prefill_timeout_s", "first_token_timeout_s", "request_timeout_s",
                      "ttft_slo_s", "tbt_slo_s", "pool_gbps", "index_max_blocks",
                      "predicted_ttl_s", "health_interval_s", "breaker_cooldown_s",
+                     "pool_sync_s",
                      "max_in_flight"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")

@@ -162,6 +162,8 @@ class EmbeddedCluster:
         argv = [sys.executable, "-m", "conductor", "--model", s.model,
                 "--etcd", self.etcd.endpoint, "--port", str(self.http_port),
                 "--policy", s.policy]
+        if self.master is not None:
+            argv += ["--pool-keys-url", self.master.metrics_url.rsplit("/", 1)[0]]
         env = dict(os.environ)
         if s.admin_port >= 0:
             self.admin_port = self.admin_port or s.admin_port or free_port()

@@ -45,6 +45,7 @@ async def serve(config: WorkerConfig) -> None:
         capacity_tokens=engine.kv_capacity_tokens(),
         version=VERSION,
         started_at=time.time(),
+        kv_namespace=engine.namespace,
     )
     registration = Registration(config.etcd, info, ttl=max(2, round(config.lease_ttl)))
     await registration.start()

@@ -127,6 +127,22 @@ class KVIndex:
         self._set(1 << slot, slot, hashes, predicted=True)
         self._expiry.append((now + self.ttl_s, 1 << slot, hashes))
 
+    def sync(self, name: str, hashes: set[int]) -> tuple[int, int]:
+        """The location holds exactly `hashes` (a full listing of it): confirmed bits it
+        lacks are dropped (evicted), the others set (a restarted conductor learns them);
+        predictions stay until confirmed or expired. O(indexed blocks); returns (added,
+        dropped)."""
+        slot = self._slot.get(name)
+        if slot is None:
+            return 0, 0
+        bit, pred = 1 << slot, self._predicted
+        held = {h for gen in (self._young, self._old) for h, m in gen.items() if m & bit}
+        gone = [h for h in held if h not in hashes and not pred.get(h, 0) & bit]
+        self._drop_bit(bit, slot, gone)
+        new = [h for h in hashes if h not in held]
+        self._set(bit, slot, new, predicted=False)
+        return len(new), len(gone)
+
     def withdraw(self, name: str, hashes: Iterable[int]) -> None:
         """Take back predictions (not confirmed bits): the routed request failed there."""
         slot = self._slot.get(name)
