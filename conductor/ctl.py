@@ -57,14 +57,19 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
-def _non_negative(text: str) -> float:
+def _number(kind: type, text: str) -> float:
     try:
-        value = float(text)
+        value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: "
+                                         f"{text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0: {text!r}")
     return value
+
+
+def _non_negative(text: str) -> float:
+    return _number(float, text)
 
 
 def _positive(text: str) -> float:
@@ -75,13 +80,7 @@ def _positive(text: str) -> float:
 
 
 def _target(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0: {text!r}")
-    return value
+    return int(_number(int, text))
 
 
 def _common_options(parser: argparse.ArgumentParser, suppress: bool) -> None:

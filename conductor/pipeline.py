@@ -193,10 +193,7 @@ class Pipeline:
                     try:
                         await self._prefill(prefill, current, outcome, dispatch)
                     except WorkerFailure as f:
-                        if not f.retryable:
-                            raise f.error from None
-                        dispatch.failed(f.instance)
-                        exclude.add(self._failed(f))
+                        exclude.add(self._failed(f, dispatch))
                         last = f
                         if self._others(prefill, exclude) and outcome.retries < MAX_RETRIES:
                             await self._retry(outcome, "prefill", current.request_id, f)
@@ -221,10 +218,7 @@ class Pipeline:
                 dispatch.decode_done()
                 return
             except WorkerFailure as f:
-                if not f.retryable:
-                    raise f.error from None
-                dispatch.failed(f.instance)
-                exclude.add(self._failed(f))
+                exclude.add(self._failed(f, dispatch))
                 last = f
                 if done and (prep.params.n or 1) == 1:
                     return
@@ -239,8 +233,13 @@ class Pipeline:
             finally:
                 dispatch.release()
 
-    def _failed(self, f: WorkerFailure) -> str:
-        """Count an instance's failure in its circuit breaker; the instance to avoid."""
+    def _failed(self, f: WorkerFailure, dispatch: Dispatch) -> str:
+        """A failure of the instance: count it in its breaker, withdraw what the request was
+        predicted to leave there; the instance to avoid. A failure of the request itself (the
+        worker refused it: a 4xx) is raised as its answer."""
+        if not f.retryable:
+            raise f.error from None
+        dispatch.failed(f.instance)
         self.registry.call_failed(f.instance, fatal=f.code in _UNREACHABLE,
                                   cooldown_s=self.config.breaker_cooldown_s)
         return f.instance
