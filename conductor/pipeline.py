@@ -287,6 +287,8 @@ class Pipeline:
                 raise InvalidRequest(f"no instance {iid!r}", param="instances")
             targets.append(inst)
         dispatch = self.route(prep)
+        if dispatch.decode is not dispatch.prefill:  # no decode follows: nothing lands there
+            dispatch.failed(dispatch.decode.instance_id)
         try:
             await self._prefill(dispatch.prefill, prep, outcome, dispatch)
         except WorkerFailure as f:
