@@ -58,6 +58,14 @@ bench-sched: install
 
 bench: bench-sched
 
+# Kill workers, the store master and etcd under traffic; classify every answer against a
+# single-engine reference (docs/reliability.md; last line: summary). CHAOS_ARGS: e.g.
+# --requests 40 --faults decode,etcd.
+CHAOS_ARGS ?=
+.PHONY: chaos
+chaos: install
+	$(PY) -m benchmarks.chaos $(CHAOS_ARGS)
+
 # The cluster simulator: every policy over a trace, plus load/capacity/reuse sweeps into
 # docs/sim/ (last line: summary). Runs no engine.
 TRACE   ?= ../shared/traces/mooncake_synthetic_trace.jsonl
