@@ -274,6 +274,10 @@ class KVTransfer:
                 self._registered = pool
         return pool
 
+    def connect(self) -> bool:
+        """Join the pool and register the cache, if the pool can be reached now."""
+        return self._pool() is not None
+
     def save(self, keys: Sequence[str], block_ids: Sequence[int]) -> SaveResult:
         """Write the blocks the pool does not hold yet."""
         t0 = time.perf_counter()
@@ -636,6 +640,7 @@ class PoolConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = BlockLayout.of(list(kv_caches.values()), self._kv_cache_config.num_blocks)
         self._transfer = KVTransfer(layout, self._pool.get)
+        self._transfer.connect()  # join the pool and register the cache now, not mid-request
         if self._saves:
             self._saver = _Saver(self._transfer)
         first = next(iter(kv_caches.values()))

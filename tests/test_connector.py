@@ -284,11 +284,13 @@ def test_shared_prefix_written_once(producer):
 def test_pool_full_computes_and_counts(producer, consumer, client):
     prefix = uuid.uuid4().hex[:8]
     junk = []
-    for i in range(200):  # the engines' two 32 MiB segments
-        key = f"junk/{prefix}/{i}"
-        if client.put_many([(key, os.urandom(MiB))]).written != 1:
-            break
-        junk.append(key)
+    for size in (MiB, 32 << 10):  # the engines' two 32 MiB segments, to the last crumbs
+        for i in range(4096):
+            key = f"junk/{prefix}/{size}/{i}"
+            if client.put_many([(key, b"j" * size)]).written != 1:
+                break
+            junk.append(key)
+    assert len(junk) > 32
     try:
         prompt = _prompt(5)
         before = producer.stats()
