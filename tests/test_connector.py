@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from store.block_hash import block_hashes, block_key
-from store.connector import BlockLayout, KVTransfer
+from store.kv_transfer import BlockLayout, KVTransfer
 from store.master import StoreMaster
 from store.pool import InMemoryPool, MooncakePool, PoolConfig
 
@@ -105,7 +105,7 @@ def client(master: StoreMaster) -> Iterator[MooncakePool]:
 
 _WRITER = textwrap.dedent("""
     import sys
-    from store.connector import BlockLayout, KVTransfer
+    from store.kv_transfer import BlockLayout, KVTransfer
     from store.pool import MooncakePool, PoolConfig
     from tests.test_connector import _cpu_layers
     master, metadata, prefix = sys.argv[1:4]
