@@ -9,6 +9,7 @@ the master gone (last, it kills the master).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import subprocess
@@ -19,6 +20,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -190,10 +192,23 @@ class _Engine:
                                        "metadata_url": master.metadata_url,
                                        "namespace": namespace, "segment_bytes": 32 * MiB,
                                        "op_timeout_s": 3.0})
+        before = {c.pid for c in psutil.Process().children(recursive=True)}
         self.llm = LLM(model=model_dir, block_size=BLOCK, dtype="float32", max_model_len=1024,
                        enforce_eager=True, kv_cache_memory_bytes=64 * MiB,
                        enable_prefix_caching=True, kv_transfer_config=ktc,
                        disable_log_stats=True)
+        self.procs = [c for c in psutil.Process().children(recursive=True)
+                      if c.pid not in before]
+        """The engine's processes (EngineCore, Worker): killed if shutdown leaves them."""
+
+    def close(self) -> None:
+        """vLLM force-kills an EngineCore slow to exit (a Mooncake client closing against a
+        dead master is), which orphans its Worker: end every process the engine started."""
+        self.llm.llm_engine.engine_core.shutdown()
+        for p in self.procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        psutil.wait_procs(self.procs, timeout=10)
 
     def run(self, prompt: list[int], max_tokens: int = 8) -> dict:
         from vllm import SamplingParams
@@ -234,14 +249,14 @@ def namespace(model_dir: str) -> str:
 def producer(model_dir, master, namespace) -> Iterator[_Engine]:
     e = _Engine(model_dir, "kv_producer", master, namespace)
     yield e
-    e.llm.llm_engine.engine_core.shutdown()
+    e.close()
 
 
 @pytest.fixture(scope="module")
 def consumer(model_dir, master, namespace, producer) -> Iterator[_Engine]:
     e = _Engine(model_dir, "kv_consumer", master, namespace)
     yield e
-    e.llm.llm_engine.engine_core.shutdown()
+    e.close()
 
 
 def _keys(namespace: str, prompt: list[int]) -> list[str]:
