@@ -79,6 +79,9 @@ class ConnectorSettings:
     rdma_devices: str = ""
     op_timeout_s: float = 5.0
     """A pool call giving no sign of progress for this long counts as the pool being down."""
+    prefer_local_segment: bool = True
+    """Saves land in this engine's own segment while it has room: a local copy, and the one
+    network crossing is the reader's (`PoolConfig.prefer_local_segment`)."""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -97,6 +100,7 @@ class ConnectorSettings:
             protocol=self.protocol,
             rdma_devices=self.rdma_devices,
             op_timeout_s=self.op_timeout_s,
+            prefer_local_segment=self.prefer_local_segment,
         )
 
 

@@ -318,6 +318,10 @@ class PoolConfig:
     rdma_devices: str = ""
     op_timeout_s: float = 5.0
     probe_timeout_s: float = 2.0
+    prefer_local_segment: bool = False
+    """`put_from` places objects in this process's own segment while it has room (Mooncake's
+    `ReplicateConfig.preferred_segment`; it falls back to other segments when full): a writer
+    then copies locally and only readers elsewhere cross the network."""
 
     def __post_init__(self) -> None:
         _split_host_port(self.master_addr)
@@ -345,7 +349,8 @@ class PoolConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> PoolConfig:
         """From `KVCLUSTER_POOL_{MASTER_ADDR,METADATA_URL,LOCAL_HOST,SEGMENT_BYTES,
-        LOCAL_BUFFER_BYTES,PROTOCOL,RDMA_DEVICES,OP_TIMEOUT_S,PROBE_TIMEOUT_S}`; sizes accept
+        LOCAL_BUFFER_BYTES,PROTOCOL,RDMA_DEVICES,OP_TIMEOUT_S,PROBE_TIMEOUT_S,
+        PREFER_LOCAL_SEGMENT}`; sizes accept
         KiB/MiB/GiB suffixes. Keyword overrides win over the environment."""
         env = dict(os.environ if env is None else env)
         kwargs: dict[str, Any] = {}
@@ -354,6 +359,7 @@ class PoolConfig:
             "segment_bytes": parse_size, "local_buffer_bytes": parse_size,
             "protocol": str, "rdma_devices": str,
             "op_timeout_s": float, "probe_timeout_s": float,
+            "prefer_local_segment": lambda v: v.strip().lower() in ("1", "true", "yes"),
         }  # fmt: skip
         for name, fn in conv.items():
             raw = env.get(_ENV_PREFIX + name.upper())
@@ -534,6 +540,11 @@ class MooncakePool:
         self.local_hostname = f"{config.local_host}:{free_port(config.local_host)}"
         self._store = MooncakeDistributedStore()
         self._workers = _Workers(io_threads, "kvpool-io")
+        from mooncake.store import ReplicateConfig
+
+        self._put_config = ReplicateConfig()
+        if config.prefer_local_segment and config.segment_bytes > 0:
+            self._put_config.preferred_segment = self.local_hostname
         code = self._store.setup(  # holds the GIL: no point in a thread with a timeout
             self.local_hostname,
             config.metadata_url,
@@ -788,7 +799,8 @@ class MooncakePool:
         try:
             for start, end in self._zero_copy_chunks(ranges):
                 codes = self._call(budget, self._store.batch_put_from_multi_buffers,
-                                   keys[start:end], ptrs[start:end], sizes[start:end])
+                                   keys[start:end], ptrs[start:end], sizes[start:end],
+                                   self._put_config)
                 got = [classify(c) for c in codes]
                 outcomes[start:end] = got
                 if Outcome.UNAVAILABLE in got:
