@@ -173,6 +173,10 @@ def worker_main(args: argparse.Namespace) -> None:
                         io_threads=max(4, args.max_threads))
     transfer = KVTransfer(BlockLayout.of(layers, args.blocks), lambda: pool)
     assert transfer.connect()
+    flat = None
+    if args.role == "reader":  # for the transport probe: one contiguous range per object
+        flat = torch.zeros(args.blocks, shape.block_bytes // 4)
+        pool.register_memory(flat.data_ptr(), args.blocks * shape.block_bytes)
     print("READY", flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -198,6 +202,15 @@ def worker_main(args: argparse.Namespace) -> None:
                                                                           strict=True))
                 for t in layers:
                     t.zero_()
+        elif cmd["op"] == "get_flat":  # not the connector's path: a probe of the transport
+            assert flat is not None
+            t0 = time.perf_counter()
+            ok = 0
+            for i in range(0, args.blocks, batch):
+                ok += sum(pool.get_into(keys[i:i + batch], [
+                    [(flat[b].data_ptr(), shape.block_bytes)] for b in ids[i:i + batch]]))
+            reply["seconds"] = time.perf_counter() - t0
+            reply["ok"] = ok
         elif cmd["op"] == "latency":  # one block per call: the small-load floor
             times = []
             for i in range(min(50, args.blocks)):
@@ -271,13 +284,15 @@ class Result:
     get_gbps: float
     identical: bool
     get_latency_s: float = 0.0
+    get_flat_gbps: float = 0.0
+    """The same objects read into one contiguous range each instead of one per layer."""
 
 
 def run_setting(s: Setting, shape: Shape, blocks: int, rounds: int, master) -> Result:
     writer = Worker("writer", shape, blocks, master, s.env, s.threads, s.own_segment)
     reader = Worker("reader", shape, blocks, master, s.env, s.threads)
     nbytes = blocks * shape.block_bytes
-    puts, gets, identical, latency = [], [], True, 0.0
+    puts, gets, flats, identical, latency = [], [], [], True, 0.0
     try:
         for r in range(rounds + 1):  # round 0 warms the connections up, not counted
             prefix = f"bench/{uuid.uuid4().hex[:8]}"
@@ -287,16 +302,19 @@ def run_setting(s: Setting, shape: Shape, blocks: int, rounds: int, master) -> R
             if p["ok"] != blocks or g["ok"] != blocks:
                 raise RuntimeError(f"{s.name}: put {p['ok']}/{blocks}, got {g['ok']}/{blocks}")
             identical &= g["identical"]
+            f = reader.ask(op="get_flat", prefix=prefix, batch=s.get_batch or s.batch)
             if r == rounds:
                 latency = reader.ask(op="latency", prefix=prefix)["median_s"]
             writer.ask(op="remove", prefix=prefix)
             if r:
                 puts.append(nbytes / p["seconds"] / GB)
                 gets.append(nbytes / g["seconds"] / GB)
+                flats.append(nbytes / f["seconds"] / GB)
     finally:
         writer.close()
         reader.close()
-    return Result(s, statistics.median(puts), statistics.median(gets), identical, latency)
+    return Result(s, statistics.median(puts), statistics.median(gets), identical, latency,
+                  statistics.median(flats))
 
 
 # ------------------------------------------------------------------------------ Mooncake's own
@@ -452,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(r)
                 say(f"  put {r.put_gbps:.2f} GB/s  get {r.get_gbps:.2f} GB/s  "
                     f"bytes identical: {r.identical}  1-block get latency "
-                    f"{r.get_latency_s * 1e3:.2f} ms")
+                    f"{r.get_latency_s * 1e3:.2f} ms  (probe: get into one range per block "
+                    f"{r.get_flat_gbps:.2f} GB/s)")
         finally:
             holder.close()
         say("Mooncake transfer_engine_bench (TCP, 1 MiB blocks, 2 threads, no store)...")
