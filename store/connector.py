@@ -80,6 +80,9 @@ class ConnectorSettings:
     op_timeout_s: float = 5.0
     """A pool call giving no sign of progress for this long counts as the pool being down."""
     prefer_local_segment: bool = True
+    load_staging_blocks: int = 0
+    """> 0: loads go through a staging buffer of that many blocks (`KVTransfer`): one range per
+    object on the wire, then a copy into the cache. 0 (default): straight into the cache."""
     """Saves land in this engine's own segment while it has room: a local copy, and the one
     network crossing is the reader's (`PoolConfig.prefer_local_segment`)."""
 
@@ -440,7 +443,8 @@ class PoolConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = BlockLayout.of(list(kv_caches.values()), self._kv_cache_config.num_blocks)
-        self._transfer = KVTransfer(layout, self._pool.get)
+        self._transfer = KVTransfer(layout, self._pool.get,
+                                    staging_blocks=self._settings.load_staging_blocks)
         self._transfer.connect()  # join the pool and register the cache now, not mid-request
         if self._saves:
             self._saver = _Saver(self._transfer)

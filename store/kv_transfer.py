@@ -8,11 +8,13 @@ counts what happened (`TransferStats`).
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import structlog
 import torch
 
@@ -72,6 +74,20 @@ class BlockLayout:
             for base, stride, layer in zip(self.bases, self.strides, self.pieces, strict=True)
             for off, n in layer
         ]
+
+
+def _piece_views(layout: BlockLayout) -> list[tuple[np.ndarray, int, int]]:
+    """Per piece of the object format: a [num_blocks, nbytes] uint8 view of that piece in every
+    block of the cache, its offset in the object, and its size."""
+    views, src = [], 0
+    for base, stride, pieces in zip(layout.bases, layout.strides, layout.pieces, strict=True):
+        for off, n in pieces:
+            span = (layout.num_blocks - 1) * stride + n
+            raw = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(base + off))
+            views.append((np.lib.stride_tricks.as_strided(raw, (layout.num_blocks, n),
+                                                           (stride, 1)), src, n))
+            src += n
+    return views
 
 
 def _contiguous_pieces(t: torch.Tensor) -> list[tuple[int, int]]:
@@ -137,12 +153,24 @@ class KVTransfer:
     data path of the connector (and of `benchmarks.bench_kv`). Thread-safe; never raises for
     pool trouble (results say what happened, `stats` counts it)."""
 
-    def __init__(self, layout: BlockLayout, pool: Callable[[], ZeroCopyPool | None]) -> None:
+    def __init__(self, layout: BlockLayout, pool: Callable[[], ZeroCopyPool | None], *,
+                 staging_blocks: int = 0) -> None:
+        """`staging_blocks` > 0 (host memory only): loads land in a registered staging buffer
+        of that many blocks, one contiguous range per object, and are scattered into the cache
+        by numpy (one vectorized copy per layer piece and batch). Not zero-copy, but Mooncake's
+        TCP transport moves one range per object instead of one per layer piece, which is what
+        limits it with small pieces (see docs/benchmarks.md). 0: straight into the cache."""
         self.layout = layout
         self._pool_source = pool
         self._registered: ZeroCopyPool | None = None
         self._lock = threading.Lock()
         self.stats = TransferStats()
+        self._stage: np.ndarray | None = None
+        self._stage_lock = threading.Lock()
+        self._views: list[tuple[np.ndarray, int, int]] = []
+        if staging_blocks > 0 and layout.device == "cpu":
+            self._stage = np.zeros((staging_blocks, layout.block_nbytes), dtype=np.uint8)
+            self._views = _piece_views(layout)
 
     def _pool(self) -> ZeroCopyPool | None:
         pool = self._pool_source()
@@ -150,8 +178,11 @@ class KVTransfer:
             return None
         with self._lock:
             if self._registered is not pool:
+                regions = list(self.layout.regions)
+                if self._stage is not None:
+                    regions.append((self._stage.ctypes.data, self._stage.nbytes))
                 try:
-                    for addr, nbytes in self.layout.regions:
+                    for addr, nbytes in regions:
                         pool.register_memory(addr, nbytes)
                 except PoolError as e:
                     log.warning("kv_register_failed", error=str(e), fallback="recompute")
@@ -199,6 +230,8 @@ class KVTransfer:
         pool = self._pool()
         if pool is None or not keys:
             ok = [False] * len(keys)
+        elif self._stage is not None:
+            ok = self._load_staged(pool, keys, block_ids)
         else:
             ok = pool.get_into(list(keys), [self.layout.ranges(b) for b in block_ids])
         loaded = sum(ok)
@@ -209,6 +242,24 @@ class KVTransfer:
             s.load_failed += len(ok) - loaded
             s.load_batches += 1
             s.load_seconds += time.perf_counter() - t0
+        return ok
+
+    def _load_staged(self, pool: ZeroCopyPool, keys: Sequence[str],
+                     block_ids: Sequence[int]) -> list[bool]:
+        assert self._stage is not None
+        stage, nbytes = self._stage, self.layout.block_nbytes
+        base = stage.ctypes.data
+        ok: list[bool] = []
+        with self._stage_lock:
+            for start in range(0, len(keys), len(stage)):
+                ck = list(keys[start:start + len(stage)])
+                got = pool.get_into(ck, [[(base + i * nbytes, nbytes)] for i in range(len(ck))])
+                rows = [i for i, g in enumerate(got) if g]
+                if rows:
+                    ids = [block_ids[start + i] for i in rows]
+                    for view, src, n in self._views:
+                        view[ids] = stage[rows, src:src + n]
+                ok.extend(got)
         return ok
 
     def count_deduplicated(self, blocks: int) -> None:

@@ -84,6 +84,23 @@ def test_layout_flash_attention_keeps_k_and_v_of_a_block_together() -> None:
     assert pool.get_many(["b"]) == [_object(layers, 4, dim=1)]
 
 
+@pytest.mark.parametrize("flash", [False, True])
+def test_staged_load_lands_the_same_bytes(flash: bool) -> None:
+    """`staging_blocks`: one range per object, scattered into the cache afterwards."""
+    gen = torch.Generator().manual_seed(2)
+    shape, dim = ((2, 9, BLOCK, 2, 64), 1) if flash else ((9, 2, BLOCK, 128), 0)
+    src = [torch.randn(*shape, generator=gen) for _ in range(3)]
+    pool = InMemoryPool()
+    keys = [f"s{i}" for i in range(9)]
+    KVTransfer(BlockLayout.of(src, 9), lambda: pool).save(keys, list(range(9)))
+    dst = [torch.zeros_like(t) for t in src]
+    reader = KVTransfer(BlockLayout.of(dst, 9), lambda: pool, staging_blocks=4)
+    order = [8, 7, 6, 5, 4, 3, 2, 1, 0]
+    assert reader.load(keys + ["missing"], order + [0]) == [True] * 9 + [False]
+    for s_, d in zip(src, dst, strict=True):
+        assert torch.equal(d, s_.flip(dim))
+
+
 # -- real master, two processes ------------------------------------------------------------------
 
 
