@@ -454,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"model: {args.model}")
     say(f"block: {shape.describe()}")
     say(f"round: {args.blocks} blocks = {nbytes / MiB:.0f} MiB, {args.rounds} rounds + 1 warm-up"
-        " per setting; writer -> pool holder's segment -> reader, all on 127.0.0.1")
+        " per setting; writer process -> pool -> reader process, all on 127.0.0.1")
 
     say("memcpy (numpy, 1 thread, 256 MiB)...")
     memcpy = measure_memcpy()
