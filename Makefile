@@ -13,7 +13,7 @@ PORT    ?= 8000
 MODEL   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install sysdeps run test lint model clean bench bench-sched
+.PHONY: install sysdeps run test lint model clean bench bench-sched bench-kv
 
 install: $(STAMP)
 
@@ -55,6 +55,11 @@ lint: install
 # The scheduler's decision latency at 64x64 instances and a 1M-block index (last line: summary).
 bench-sched: install
 	$(PY) -m benchmarks.bench_sched
+
+# KV blocks through the Mooncake Store pool between two processes, against raw loopback TCP
+# and memcpy measured in the same run (last line: summary). About 2-3 minutes.
+bench-kv: install
+	$(PY) -m benchmarks.bench_kv
 
 bench: bench-sched
 

@@ -8,18 +8,30 @@ config is `ConnectorSettings` below. Roles: `kv_producer` saves, `kv_consumer` l
 
 The scheduler-side half decides what to load and save (block hashes from
 `store.block_hash`, the scheme the conductor's index uses too); the worker-side half moves
-bytes. One pool object holds one block of every layer (layers in model order), so the
-object is independent of how the backend lays a block out inside a layer: a block is copied
-whole, never split into K and V. The pool failing never fails a request: a save that
-cannot be made is skipped, a load that cannot be made is reported to vLLM as invalid blocks,
-which vLLM then recomputes.
+bytes. One pool object holds one block of every layer (layers in model order, each layer's
+block slice in its logical order), so the object is independent of how the backend lays a
+block out inside a layer: a block is copied whole, never split into K and V.
+
+Data path (`store.kv_transfer`): the paged KV cache is registered with the store client
+once, and blocks move between it and the pool with `put_from`/`get_into` (Mooncake's
+`batch_put_from_multi_buffers`/`batch_get_into_multi_buffers`): no Python-level copy. Saves run
+on a background thread (`_Saver`), after a `batch_is_exist` that skips blocks already pooled,
+so a shared prefix is written once cluster-wide; a finished request's blocks stay allocated
+(`request_finished` answers "delay free") until its saves are done (`get_finished`). Loads are
+synchronous, before the forward pass that needs them.
+
+The pool failing never fails a request: a save that cannot be made is skipped and counted, a
+load that cannot be made is reported to vLLM as invalid blocks, which vLLM then recomputes
+(`kv_load_failure_policy="recompute"`), and counted. Counters: `KVTransfer.stats`, reported in
+every finished request's `kv_transfer_params["pool_stats"]`.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -28,10 +40,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from store.block_hash import block_hashes, block_key
-from store.pool import KVPool, MooncakePool, PoolConfig, PoolError
+from store.kv_transfer import BlockLayout, KVTransfer, TransferStats, block_dim
+from store.pool import MooncakePool, PoolConfig, PoolError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -39,11 +53,13 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = structlog.get_logger(__name__)
 
 _RETRY_CONNECT_S = 5.0
+_PREEMPT_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -61,6 +77,14 @@ class ConnectorSettings:
     local_buffer_bytes: int = 64 << 20
     protocol: str = "tcp"
     rdma_devices: str = ""
+    op_timeout_s: float = 5.0
+    """A pool call giving no sign of progress for this long counts as the pool being down."""
+    prefer_local_segment: bool = True
+    load_staging_blocks: int = 0
+    """> 0: loads go through a staging buffer of that many blocks (`KVTransfer`): one range per
+    object on the wire, then a copy into the cache. 0 (default): straight into the cache."""
+    """Saves land in this engine's own segment while it has room: a local copy, and the one
+    network crossing is the reader's (`PoolConfig.prefer_local_segment`)."""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -78,6 +102,8 @@ class ConnectorSettings:
             local_buffer_bytes=self.local_buffer_bytes,
             protocol=self.protocol,
             rdma_devices=self.rdma_devices,
+            op_timeout_s=self.op_timeout_s,
+            prefer_local_segment=self.prefer_local_segment,
         )
 
 
@@ -90,11 +116,11 @@ class _SharedPool:
 
     def __init__(self, settings: ConnectorSettings) -> None:
         self.settings = settings
-        self._pool: KVPool | None = None
+        self._pool: MooncakePool | None = None
         self._next_try = 0.0
         self._lock = threading.Lock()
 
-    def get(self) -> KVPool | None:
+    def get(self) -> MooncakePool | None:
         with self._lock:
             if self._pool is None and time.monotonic() >= self._next_try:
                 try:
@@ -114,6 +140,84 @@ def shared_pool(settings: ConnectorSettings) -> _SharedPool:
         return _POOLS.setdefault(settings, _SharedPool(settings))
 
 
+class _Saver:
+    """The background thread that saves blocks. Jobs queued together are written as one batch
+    (a shared prefix queued twice is written once). `pending(req)` is how many of a request's
+    jobs are not finished; its blocks must stay allocated until it is 0."""
+
+    def __init__(self, transfer: KVTransfer) -> None:
+        self.transfer = transfer
+        self._queue: queue.SimpleQueue[list[BlockTransfer] | None] = queue.SimpleQueue()
+        self._pending: dict[str, int] = {}
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="kv-saver", daemon=True)
+        self._thread.start()
+
+    def submit(self, jobs: list[BlockTransfer]) -> None:
+        if not jobs:
+            return
+        with self._cond:
+            for job in jobs:
+                self._pending[job.request_id] = self._pending.get(job.request_id, 0) + 1
+        self._queue.put(jobs)
+
+    def pending(self, request_id: str) -> int:
+        with self._cond:
+            return self._pending.get(request_id, 0)
+
+    def wait_idle(self, request_ids: set[str] | None, timeout: float) -> bool:
+        """Until the given requests' (None: all) saves are done, or the timeout."""
+        def done() -> bool:
+            if request_ids is None:
+                return not self._pending
+            return not any(r in self._pending for r in request_ids)
+        with self._cond:
+            return self._cond.wait_for(done, timeout)
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while True:
+            batch = self._queue.get()
+            if batch is None:
+                return
+            jobs = list(batch)
+            stop = False
+            while True:  # everything queued meanwhile joins this batch
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                    break
+                jobs.extend(more)
+            seen: dict[str, int] = {}
+            for job in jobs:
+                for key, block_id in zip(job.keys, job.block_ids, strict=True):
+                    seen.setdefault(key, block_id)
+            dupes = sum(len(j.keys) for j in jobs) - len(seen)
+            try:
+                self.transfer.save(list(seen), list(seen.values()))
+                self.transfer.count_deduplicated(dupes)
+            except Exception:  # a bug must not kill the thread and pin blocks forever
+                log.exception("kv_save_crashed", blocks=len(seen))
+            with self._cond:
+                for job in jobs:
+                    left = self._pending[job.request_id] - 1
+                    if left:
+                        self._pending[job.request_id] = left
+                    else:
+                        del self._pending[job.request_id]
+                self._cond.notify_all()
+            if stop:
+                return
+
+
+# ---------------------------------------------------------------------------------- connector
+
+
 @dataclass(frozen=True)
 class BlockTransfer:
     """Move whole blocks between the pool (by key) and the paged cache (by block id)."""
@@ -127,6 +231,23 @@ class BlockTransfer:
 class PoolConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
+
+
+@dataclass
+class PoolWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, every step: blocks whose load failed per request, and the
+    worker's cumulative transfer counters."""
+
+    load_failed: dict[str, int] = field(default_factory=dict)
+    stats: TransferStats = field(default_factory=TransferStats)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, PoolWorkerMetadata)
+        failed = dict(self.load_failed)
+        for req, n in other.load_failed.items():
+            failed[req] = failed.get(req, 0) + n
+        return PoolWorkerMetadata(failed, self.stats.add(other.stats))
 
 
 @dataclass
@@ -137,8 +258,21 @@ class _Tracked:
     block_ids: list[int] = field(default_factory=list)
     saved_blocks: int = 0
     loaded_blocks: int = 0
+    load_failed: int = 0
     load_from_block: int = 0
     """First block of the external hit: the block-aligned local hit vLLM reported."""
+
+
+@dataclass
+class LookupStats:
+    """Scheduler-side counters."""
+
+    lookups: int = 0
+    lookup_blocks_hit: int = 0
+    lookup_misses: int = 0
+    """Lookups that wanted blocks and found fewer than wanted (a shorter or no prefix)."""
+    lookup_unavailable: int = 0
+    """Lookups made without the pool (down or unreachable): computed from scratch."""
 
 
 class PoolConnector(KVConnectorBase_V1):
@@ -155,10 +289,16 @@ class PoolConnector(KVConnectorBase_V1):
         # scheduler side
         self._tracked: dict[str, _Tracked] = {}
         self._pending_loads: list[BlockTransfer] = []
+        self._lookup = LookupStats()
+        self._worker_stats = TransferStats()
         # worker side
-        self._layers: list[torch.Tensor] = []
-        self._block_dim: list[int] = []
+        self._transfer: KVTransfer | None = None
+        self._saver: _Saver | None = None
+        self._saving: set[str] = set()
+        """Requests with saves submitted and not yet reported finished."""
+        self._finishing: set[str] = set()
         self._invalid_blocks: set[int] = set()
+        self._load_failed: dict[str, int] = {}
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -183,19 +323,25 @@ class PoolConnector(KVConnectorBase_V1):
         tracked.load_from_block = first
         if usable <= first:
             return 0, False
+        self._lookup.lookups += 1
         pool = self._pool.get()
-        if pool is None:
+        if pool is None or not pool.healthy():
+            self._lookup.lookup_unavailable += 1
             return 0, False
         try:
             present = pool.exists(tracked.keys[first:usable])
         except PoolError as e:
             log.warning("pool_lookup_failed", request_id=request.request_id, error=str(e))
+            self._lookup.lookup_unavailable += 1
             return 0, False
         hit = 0
         for ok in present:
             if not ok:
                 break
             hit += 1
+        self._lookup.lookup_blocks_hit += hit
+        if hit < usable - first:
+            self._lookup.lookup_misses += 1
         return hit * self._block_size, False
 
     def update_state_after_alloc(
@@ -218,7 +364,8 @@ class PoolConnector(KVConnectorBase_V1):
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = PoolConnectorMetadata(loads=self._pending_loads)
+        meta = PoolConnectorMetadata(loads=self._pending_loads,
+                                     preempted=set(scheduler_output.preempted_req_ids or ()))
         self._pending_loads = []
         if not self._saves:
             return meta
@@ -261,54 +408,50 @@ class PoolConnector(KVConnectorBase_V1):
         )
         tracked.saved_blocks = upto
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if not isinstance(meta, PoolWorkerMetadata):
+            return
+        self._worker_stats = meta.stats
+        for req_id, n in meta.load_failed.items():
+            tracked = self._tracked.get(req_id)
+            if tracked is not None:
+                tracked.load_failed += n
+
+    def stats(self) -> dict[str, int | float]:
+        """Scheduler lookups plus the worker's transfer counters (as of its last step)."""
+        return {**asdict(self._lookup), **asdict(self._worker_stats)}
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """Delays freeing the blocks of a request with saves planned: the worker reports it in
+        `get_finished` once they are written (or given up)."""
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is None:
             return False, None
-        return False, {
+        delay = self._saves and tracked.saved_blocks > 0
+        return delay, {
             "pool_blocks_saved": tracked.saved_blocks,
-            "pool_blocks_loaded": tracked.loaded_blocks,
+            "pool_blocks_loaded": tracked.loaded_blocks - tracked.load_failed,
+            "pool_blocks_load_failed": tracked.load_failed,
             "pool_block_keys": tracked.keys,
+            "pool_stats": self.stats(),
         }
 
     # ------------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        num_blocks = self._kv_cache_config.num_blocks
-        self._layers = list(kv_caches.values())
-        self._block_dim = [_block_dim(t, num_blocks) for t in self._layers]
-        log.info(
-            "kv_caches_registered",
-            layers=len(self._layers),
-            shape=tuple(self._layers[0].shape) if self._layers else None,
-            block_dim=self._block_dim[0] if self._layers else None,
-            block_bytes=self._block_nbytes(),
-        )
-
-    def _block_nbytes(self) -> int:
-        return sum(
-            t.select(d, 0).numel() * t.element_size()
-            for t, d in zip(self._layers, self._block_dim, strict=True)
-        )
-
-    def _read_block(self, block_id: int) -> bytes:
-        parts = [
-            t.select(d, block_id).contiguous().view(torch.uint8).reshape(-1)
-            for t, d in zip(self._layers, self._block_dim, strict=True)
-        ]
-        return torch.cat(parts).numpy().tobytes()
-
-    def _write_block(self, block_id: int, data: bytes) -> None:
-        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        offset = 0
-        for t, d in zip(self._layers, self._block_dim, strict=True):
-            dst = t.select(d, block_id)
-            n = dst.numel() * t.element_size()
-            src = flat[offset : offset + n].view(t.dtype).view(dst.shape)
-            dst.copy_(src.to(t.device))
-            offset += n
+        layout = BlockLayout.of(list(kv_caches.values()), self._kv_cache_config.num_blocks)
+        self._transfer = KVTransfer(layout, self._pool.get,
+                                    staging_blocks=self._settings.load_staging_blocks)
+        self._transfer.connect()  # join the pool and register the cache now, not mid-request
+        if self._saves:
+            self._saver = _Saver(self._transfer)
+        first = next(iter(kv_caches.values()))
+        log.info("kv_caches_registered", layers=len(kv_caches), shape=tuple(first.shape),
+                 block_dim=block_dim(first, layout.num_blocks), device=layout.device,
+                 block_bytes=layout.block_nbytes, pieces_per_block=len(layout.ranges(0)))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -317,25 +460,15 @@ class PoolConnector(KVConnectorBase_V1):
             self._load(load)
 
     def _load(self, load: BlockTransfer) -> None:
-        pool = self._pool.get()
-        values: list[bytes | None] = [None] * len(load.keys)
-        if pool is not None:
-            try:
-                values = pool.get_many(list(load.keys), expected_size=self._block_nbytes())
-            except PoolError as e:
-                log.warning("pool_load_failed", request_id=load.request_id, error=str(e))
-        loaded = 0
-        for block_id, value in zip(load.block_ids, values, strict=True):
-            if value is None:
-                self._invalid_blocks.add(block_id)
-                continue
-            self._write_block(block_id, value)
-            loaded += 1
-        if loaded < len(load.keys):
+        assert self._transfer is not None
+        ok = self._transfer.load(load.keys, load.block_ids)
+        failed = [b for b, good in zip(load.block_ids, ok, strict=True) if not good]
+        if failed:
+            self._invalid_blocks.update(failed)
+            self._load_failed[load.request_id] = (
+                self._load_failed.get(load.request_id, 0) + len(failed))
             log.warning("pool_load_partial", request_id=load.request_id,
-                        loaded=loaded, wanted=len(load.keys), fallback="recompute")
-        else:
-            log.debug("pool_load", request_id=load.request_id, blocks=loaded)
+                        loaded=len(ok) - len(failed), wanted=len(ok), fallback="recompute")
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         invalid, self._invalid_blocks = self._invalid_blocks, set()
@@ -350,34 +483,43 @@ class PoolConnector(KVConnectorBase_V1):
         return None
 
     def wait_for_save(self) -> None:
+        """Hands this step's saves to the saver thread and returns: the forward pass never
+        waits for the pool."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, PoolConnectorMetadata)
-        if not meta.saves:
+        # Every request with saves planned is one the scheduler delays: it must be reported.
+        self._saving.update(s.request_id for s in meta.saves)
+        if not meta.saves or self._saver is None:
             return
-        pool = self._pool.get()
-        if pool is None:
-            return
-        for save in meta.saves:
-            try:
-                present = pool.exists(list(save.keys))
-                items = [
-                    (key, self._read_block(block_id))
-                    for key, block_id, there in zip(save.keys, save.block_ids, present,
-                                                    strict=True)
-                    if not there
-                ]
-                report = pool.put_many(items) if items else None
-            except PoolError as e:
-                log.warning("pool_save_failed", request_id=save.request_id, error=str(e))
-                return
-            log.debug("pool_save", request_id=save.request_id, blocks=len(save.keys),
-                      written=len(items), report=report)
+        if self._transfer is not None and self._transfer.layout.device == "cuda":
+            torch.cuda.current_stream().synchronize()  # the blocks must be computed
+        self._saver.submit(list(meta.saves))
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """A preempted request's blocks are freed at once: finish its saves first."""
+        assert isinstance(kv_connector_metadata, PoolConnectorMetadata)
+        busy = kv_connector_metadata.preempted & self._saving
+        if busy and self._saver is not None:
+            if not self._saver.wait_idle(busy, _PREEMPT_WAIT_S):
+                log.error("kv_save_preempt_wait_timeout", requests=sorted(busy))
 
-def _block_dim(t: torch.Tensor, num_blocks: int) -> int:
-    """The dimension of a per-layer KV tensor that indexes blocks (0 on CPU, 1 for
-    FlashAttention's [2, num_blocks, ...]): the first whose size is the block count."""
-    for d, size in enumerate(t.shape):
-        if size == num_blocks:
-            return d
-    raise ValueError(f"no dimension of size num_blocks={num_blocks} in KV shape {tuple(t.shape)}")
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._finishing |= finished_req_ids & self._saving
+        if not self._finishing:
+            return None, None
+        saver = self._saver
+        done = {r for r in self._finishing if saver is None or not saver.pending(r)}
+        self._finishing -= done
+        self._saving -= done
+        return done or None, None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._transfer is None:
+            return None
+        failed, self._load_failed = self._load_failed, {}
+        return PoolWorkerMetadata(failed, self._transfer.snapshot())
+
+    def shutdown(self) -> None:
+        if self._saver is not None:
+            self._saver.wait_idle(None, self._settings.op_timeout_s)
+            self._saver.stop()

@@ -18,6 +18,11 @@ Mooncake facts this module leans on (mooncake-transfer-engine 0.3.13.post1, meas
   thread marks it unreachable (`health_check() == 2`, within 0.02-1 s of the death); against a
   hung (SIGSTOPped) master a call blocks 30 s (-901). These calls release the GIL, so they run
   here in a small thread pool under a deadline (`op_timeout_s`) behind a circuit breaker.
+- Zero-copy (`ZeroCopyPool`): `batch_put_from_multi_buffers`/`batch_get_into_multi_buffers` move
+  an object between registered memory (`register_buffer`) and the pool with no staging copy and
+  answer per key: bytes read, 0 for a put (also of a key already there), -704 for a missing key,
+  -600 when the object is larger than the ranges, -800 when smaller, -200 when the pool is full.
+  Memory that was not registered fails a put (-200 here, not an error of its own).
 - `setup()` and `close()` hold the GIL: `close()` for ~2 s even when healthy, `setup()` for 30 s
   against a hung master. Neither can be timed out from Python.
 """
@@ -198,6 +203,31 @@ class KVPool(Protocol):
     def close(self) -> None: ...
 
 
+Ranges = Sequence[tuple[int, int]]
+"""Where one object lives in this process's memory: (address, nbytes) pieces, concatenated in
+order. The memory must be registered (`register_memory`) and stay valid during the call."""
+
+
+@runtime_checkable
+class ZeroCopyPool(KVPool, Protocol):
+    """A pool that moves objects straight between registered memory and the pool, without
+    staging copies: each object is the concatenation of its `Ranges`."""
+
+    def register_memory(self, addr: int, nbytes: int) -> None:
+        """Make [addr, addr+nbytes) usable by `put_from`/`get_into`; `PoolError` on failure."""
+        ...
+
+    def put_from(self, keys: Sequence[str], ranges: Sequence[Ranges]) -> PutReport:
+        """Write each key from its ranges; never raises for pool-full or unavailable."""
+        ...
+
+    def get_into(self, keys: Sequence[str], ranges: Sequence[Ranges]) -> list[bool]:
+        """Read each key into its ranges: True where the whole object, of exactly the ranges'
+        total size, arrived. False (missing, wrong size, unreachable) leaves that key's ranges
+        in an unspecified state: the caller must not use them."""
+        ...
+
+
 def _as_byte_view(value: Value) -> memoryview:
     view = memoryview(value)
     if not view.c_contiguous:
@@ -219,6 +249,26 @@ def _check_items(items: Sequence[tuple[str, Value]]) -> tuple[list[str], list[me
         keys.append(key)
         views.append(view)
     return keys, views
+
+
+_ZC_CHUNK_BYTES = 64 << 20
+
+
+def _split_ranges(
+    keys: Sequence[str], ranges: Sequence[Ranges]
+) -> tuple[list[str], list[list[int]], list[list[int]]]:
+    if len(keys) != len(ranges):
+        raise ValueError(f"{len(keys)} keys but {len(ranges)} range lists")
+    ptrs: list[list[int]] = []
+    sizes: list[list[int]] = []
+    for key, rs in zip(keys, ranges, strict=True):
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"pool keys must be non-empty str, got {key!r}")
+        if not rs or any(n <= 0 for _, n in rs):
+            raise ValueError(f"ranges of {key!r} must be non-empty with positive sizes")
+        ptrs.append([a for a, _ in rs])
+        sizes.append([n for _, n in rs])
+    return list(keys), ptrs, sizes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,6 +318,10 @@ class PoolConfig:
     rdma_devices: str = ""
     op_timeout_s: float = 5.0
     probe_timeout_s: float = 2.0
+    prefer_local_segment: bool = False
+    """`put_from` places objects in this process's own segment while it has room (Mooncake's
+    `ReplicateConfig.preferred_segment`; it falls back to other segments when full): a writer
+    then copies locally and only readers elsewhere cross the network."""
 
     def __post_init__(self) -> None:
         _split_host_port(self.master_addr)
@@ -295,7 +349,8 @@ class PoolConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> PoolConfig:
         """From `KVCLUSTER_POOL_{MASTER_ADDR,METADATA_URL,LOCAL_HOST,SEGMENT_BYTES,
-        LOCAL_BUFFER_BYTES,PROTOCOL,RDMA_DEVICES,OP_TIMEOUT_S,PROBE_TIMEOUT_S}`; sizes accept
+        LOCAL_BUFFER_BYTES,PROTOCOL,RDMA_DEVICES,OP_TIMEOUT_S,PROBE_TIMEOUT_S,
+        PREFER_LOCAL_SEGMENT}`; sizes accept
         KiB/MiB/GiB suffixes. Keyword overrides win over the environment."""
         env = dict(os.environ if env is None else env)
         kwargs: dict[str, Any] = {}
@@ -304,6 +359,7 @@ class PoolConfig:
             "segment_bytes": parse_size, "local_buffer_bytes": parse_size,
             "protocol": str, "rdma_devices": str,
             "op_timeout_s": float, "probe_timeout_s": float,
+            "prefer_local_segment": lambda v: v.strip().lower() in ("1", "true", "yes"),
         }  # fmt: skip
         for name, fn in conv.items():
             raw = env.get(_ENV_PREFIX + name.upper())
@@ -484,6 +540,11 @@ class MooncakePool:
         self.local_hostname = f"{config.local_host}:{free_port(config.local_host)}"
         self._store = MooncakeDistributedStore()
         self._workers = _Workers(io_threads, "kvpool-io")
+        from mooncake.store import ReplicateConfig
+
+        self._put_config = ReplicateConfig()
+        if config.prefer_local_segment and config.segment_bytes > 0:
+            self._put_config.preferred_segment = self.local_hostname
         code = self._store.setup(  # holds the GIL: no point in a thread with a timeout
             self.local_hostname,
             config.metadata_url,
@@ -708,6 +769,72 @@ class MooncakePool:
             self._trip("batch_remove: unavailable")
         return sum(c == 0 for c in codes)
 
+    # -- ZeroCopyPool ---------------------------------------------------------------------------
+
+    def register_memory(self, addr: int, nbytes: int) -> None:
+        budget = self._budget_start()
+        try:
+            code = self._call(budget, self._store.register_buffer, addr, nbytes)
+        except _Down as e:
+            raise PoolUnavailable(f"register_buffer: {self.config.master_addr} unreachable") from e
+        if code != 0:
+            raise PoolError(f"register_buffer({addr:#x}, {nbytes}) failed: {code_name(code)}")
+
+    def _zero_copy_chunks(self, ranges: Sequence[Ranges]) -> Iterable[tuple[int, int]]:
+        """Batches of at most `_ZC_CHUNK_BYTES` (progress is renewed per batch)."""
+        start, acc = 0, 0
+        for i, rs in enumerate(ranges):
+            size = sum(n for _, n in rs)
+            if i > start and acc + size > _ZC_CHUNK_BYTES:
+                yield start, i
+                start, acc = i, 0
+            acc += size
+        if start < len(ranges):
+            yield start, len(ranges)
+
+    def put_from(self, keys: Sequence[str], ranges: Sequence[Ranges]) -> PutReport:
+        keys, ptrs, sizes = _split_ranges(keys, ranges)
+        budget = self._budget_start()
+        outcomes = [Outcome.UNAVAILABLE] * len(keys)
+        try:
+            for start, end in self._zero_copy_chunks(ranges):
+                codes = self._call(budget, self._store.batch_put_from_multi_buffers,
+                                   keys[start:end], ptrs[start:end], sizes[start:end],
+                                   self._put_config)
+                got = [classify(c) for c in codes]
+                outcomes[start:end] = got
+                if Outcome.UNAVAILABLE in got:
+                    bad = next(c for c in codes if classify(c) is Outcome.UNAVAILABLE)
+                    self._trip(f"batch_put_from_multi_buffers: {code_name(bad)}")
+                    break
+                budget.progress()
+        except _Down:
+            pass
+        return PutReport.of(outcomes)
+
+    def get_into(self, keys: Sequence[str], ranges: Sequence[Ranges]) -> list[bool]:
+        keys, ptrs, sizes = _split_ranges(keys, ranges)
+        budget = self._budget_start()
+        out = [False] * len(keys)
+        try:
+            for start, end in self._zero_copy_chunks(ranges):
+                t0 = time.monotonic()
+                codes = self._call(budget, self._store.batch_get_into_multi_buffers,
+                                   keys[start:end], ptrs[start:end], sizes[start:end])
+                for i, code in enumerate(codes, start):
+                    want = sum(sizes[i])
+                    out[i] = code == want
+                    if code >= 0 and code != want:
+                        log.warning("KV pool: %r read %d bytes, expected %d; treated as a miss",
+                                    keys[i], code, want)
+                if any(classify(c) is Outcome.UNAVAILABLE for c in codes):
+                    self._trip("batch_get_into_multi_buffers: unavailable")
+                    raise _Down
+                self._check_read(budget, [b"" if ok else None for ok in out[start:end]], t0)
+        except _Down:
+            pass
+        return out
+
     def healthy(self) -> bool:
         return not self._closed and self._reachable()
 
@@ -757,6 +884,26 @@ class MooncakePool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def wait_present(pool: KVPool, keys: Sequence[str], want: int, *, timeout_s: float = 5.0,
+                 stall_s: float = 1.0, poll_s: float = 0.005) -> int:
+    """How long a prefix of `keys` the pool holds, once that is at least `want`, or when it
+    stopped growing for `stall_s`, or after `timeout_s`, or at once if the pool is unhealthy.
+    For a writer whose saves finish in the background (the KV connector's), to learn when its
+    blocks are readable: a save that cannot happen (pool full) costs `stall_s` here."""
+    keys = list(keys)
+    deadline = time.monotonic() + timeout_s
+    best, since = -1, time.monotonic()
+    while True:
+        present = pool.exists(keys) if keys else []
+        n = next((i for i, ok in enumerate(present) if not ok), len(present))
+        now = time.monotonic()
+        if n > best:
+            best, since = n, now
+        if n >= want or now >= deadline or now - since >= stall_s or not pool.healthy():
+            return n
+        time.sleep(poll_s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -843,6 +990,28 @@ class InMemoryPool:
                     self._used -= len(value)
                     removed += 1
         return removed
+
+    def register_memory(self, addr: int, nbytes: int) -> None:
+        self._check_open()
+
+    def put_from(self, keys: Sequence[str], ranges: Sequence[Ranges]) -> PutReport:
+        keys, ptrs, sizes = _split_ranges(keys, ranges)
+        values = [b"".join(ctypes.string_at(a, n) for a, n in zip(p, z, strict=True))
+                  for p, z in zip(ptrs, sizes, strict=True)]
+        return self.put_many(list(zip(keys, values, strict=True)))
+
+    def get_into(self, keys: Sequence[str], ranges: Sequence[Ranges]) -> list[bool]:
+        keys, ptrs, sizes = _split_ranges(keys, ranges)
+        out = []
+        for key, p, z in zip(keys, ptrs, sizes, strict=True):
+            (value,) = self.get_many([key], expected_size=sum(z))
+            if value is not None:
+                offset = 0
+                for a, n in zip(p, z, strict=True):
+                    ctypes.memmove(a, value[offset : offset + n], n)
+                    offset += n
+            out.append(value is not None)
+        return out
 
     def healthy(self) -> bool:
         return not self._closed and not self.down

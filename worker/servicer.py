@@ -125,7 +125,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         finally:
             self.prefills -= 1
         self._count(res.num_prompt_tokens, res.num_cached_tokens)
-        in_pool = await asyncio.to_thread(self._count_in_pool, res.block_keys)
+        in_pool = await asyncio.to_thread(self._count_in_pool, res.block_keys, res.blocks_saved)
         log.info("prefill_done", request_id=rid, cached_tokens=res.num_cached_tokens,
                  blocks_saved=res.blocks_saved, blocks_in_pool=in_pool,
                  seconds=round(res.engine_seconds, 4))
@@ -137,12 +137,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             engine_seconds=res.engine_seconds,
         )
 
-    def _count_in_pool(self, keys: tuple[str, ...]) -> int:
-        """How long a prefix of the prompt's blocks the pool holds now (an independent check;
-        the conductor's index follows it, so a chain the pool evicted is corrected here)."""
+    def _count_in_pool(self, keys: tuple[str, ...], saved: int) -> int:
+        """How long a prefix of the prompt's blocks the pool holds (an independent check),
+        once the engine's background saves of the `saved` blocks are readable (bounded wait).
+        The conductor's index follows it, so a chain the pool evicted is corrected here."""
         if not keys:
             return 0
-        from store.pool import MooncakePool, PoolConfig, PoolError
+        from store.pool import MooncakePool, PoolConfig, PoolError, wait_present
 
         c = self.engine.config
         try:
@@ -150,8 +151,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 self._pool = MooncakePool(PoolConfig(master_addr=c.pool_master,
                                                      metadata_url=c.pool_metadata,
                                                      segment_bytes=0))
-            present = self._pool.exists(list(keys))
-            return next((i for i, ok in enumerate(present) if not ok), len(present))
+            return wait_present(self._pool, keys, saved)
         except PoolError as e:  # construction failed: the master is down; retried next time
             log.warning("pool_check_failed", error=str(e))
             return 0

@@ -1,0 +1,518 @@
+"""`make bench-kv`: KV blocks through the Mooncake Store pool, against the machine's limits.
+
+Blocks have the benchmark model's real shape (the tiny model's layers, KV heads, head dim, at
+block size 32 in float32, laid out as vLLM-CPU lays out its paged cache) and move through the
+connector's own data path (`store.kv_transfer.KVTransfer`: registered cache memory, one object
+per block holding every layer's slice, dedup check before the put, zero-copy put/get). A
+writer process puts, a reader process gets, over Mooncake's TCP transport on loopback with a
+real `mooncake_master`; objects live in the writer's own segment (the connector's setting) or
+in a third client's (this process, the "pool holder"), where both directions cross processes.
+
+Measured in the same run, for comparison: raw loopback TCP between two processes (the
+transport's limit) and single-threaded memcpy (the memory limit), Mooncake's own
+`transfer_engine_bench` (TCP, no store), and the model's prefill time per block on a real
+engine (is loading a block cheaper than recomputing it?). Several transfer settings are tried
+(where objects live, batch size, threads, Mooncake's TCP knobs); the summary is the
+connector's own setting: the writer puts into its own segment (a local copy, as a prefill
+engine does) and the reader pulls across processes. Last line:
+
+    kv put_gbps=<x> get_gbps=<x> tcp_gbps=<x> memcpy_gbps=<x> get_vs_tcp=<r> put_vs_tcp=<r>
+
+GB/s are 1e9 bytes per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GB = 1e9
+MiB = 1 << 20
+BLOCK_SIZE = 32
+DTYPE = "float32"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ------------------------------------------------------------------------------ model shape
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    block_size: int = BLOCK_SIZE
+    dtype: str = DTYPE
+
+    @property
+    def block_bytes(self) -> int:
+        return self.layers * self.kv_heads * self.block_size * 2 * self.head_dim * 4
+
+    def describe(self) -> str:
+        return (f"{self.layers} layers x {self.kv_heads} KV heads x head_dim {self.head_dim}, "
+                f"block {self.block_size} tokens, {self.dtype}: {self.block_bytes // 1024} KiB "
+                f"per block ({self.block_bytes // self.layers // 1024} KiB per layer slice)")
+
+
+def model_shape(model: str) -> Shape:
+    cfg = json.loads(Path(model, "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    return Shape(layers=cfg["num_hidden_layers"],
+                 kv_heads=cfg.get("num_key_value_heads", heads),
+                 head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+# ------------------------------------------------------------------------------ limits
+
+
+def measure_memcpy(nbytes: int = 256 * MiB, repeats: int = 5) -> float:
+    """Single-threaded copy of a large buffer (numpy), best of `repeats`, in GB/s."""
+    import numpy as np
+
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / GB
+
+
+_TCP_SENDER = """
+import socket, sys
+port, total, chunk = map(int, sys.argv[1:4])
+buf = memoryview(bytearray(b"x" * chunk))
+s = socket.create_connection(("127.0.0.1", port))
+sent = 0
+while sent < total:
+    s.sendall(buf)
+    sent += chunk
+s.shutdown(socket.SHUT_WR)
+s.recv(1)
+s.close()
+"""
+
+
+def measure_tcp(total: int = 1 << 30, chunk: int = 4 * MiB, repeats: int = 3) -> float:
+    """Loopback TCP between two processes: socket sendall / recv_into of `chunk`-sized
+    buffers, best of `repeats`, in GB/s."""
+    best = 0.0
+    for _ in range(repeats):
+        srv = socket.create_server(("127.0.0.1", 0))
+        port = srv.getsockname()[1]
+        proc = subprocess.Popen([sys.executable, "-c", _TCP_SENDER, str(port), str(total),
+                                 str(chunk)])
+        conn, _ = srv.accept()
+        buf = memoryview(bytearray(chunk))
+        got = 0
+        t0 = time.perf_counter()
+        while got < total:
+            n = conn.recv_into(buf)
+            if not n:
+                break
+            got += n
+        dt = time.perf_counter() - t0
+        conn.sendall(b"k")
+        conn.close()
+        srv.close()
+        proc.wait(timeout=30)
+        best = max(best, got / dt / GB)
+    return best
+
+
+# ------------------------------------------------------------------------------ worker process
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    """A writer or reader: one KV cache of `blocks` blocks, commands as JSON lines on stdin."""
+    import torch
+
+    from store.kv_transfer import BlockLayout, KVTransfer
+    from store.pool import MooncakePool, PoolConfig
+
+    torch.set_num_threads(1)
+    shape = Shape(args.layers, args.kv_heads, args.head_dim)
+    gen = torch.Generator().manual_seed(1234)
+    layers = [torch.randn(args.blocks, shape.kv_heads, shape.block_size, 2 * shape.head_dim,
+                          generator=gen) for _ in range(shape.layers)]
+    expected = None
+    if args.role == "reader":
+        expected = layers
+        layers = [torch.zeros_like(t) for t in expected]
+    segment = args.blocks * shape.block_bytes + 64 * MiB if args.own_segment else 0
+    pool = MooncakePool(PoolConfig(master_addr=args.master, metadata_url=args.metadata,
+                                   segment_bytes=segment, op_timeout_s=30.0,
+                                   prefer_local_segment=args.own_segment),
+                        io_threads=max(4, args.max_threads))
+    transfer = KVTransfer(BlockLayout.of(layers, args.blocks), lambda: pool,
+                          staging_blocks=args.staging_blocks)
+    assert transfer.connect()
+    flat = None
+    if args.role == "reader":  # for the transport probe: one contiguous range per object
+        flat = torch.zeros(args.blocks, shape.block_bytes // 4)
+        pool.register_memory(flat.data_ptr(), args.blocks * shape.block_bytes)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            break
+        keys = [f"{cmd['prefix']}/{i}" for i in range(args.blocks)]
+        ids = list(range(args.blocks))
+        batch, threads = cmd.get("batch", 64), cmd.get("threads", 1)
+        chunks = [(keys[i:i + batch], ids[i:i + batch]) for i in range(0, len(keys), batch)]
+        reply: dict = {}
+        if cmd["op"] in ("put", "get"):
+            fn = transfer.save if cmd["op"] == "put" else transfer.load
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(threads) as ex:
+                results = list(ex.map(fn, [c[0] for c in chunks], [c[1] for c in chunks]))
+            reply["seconds"] = time.perf_counter() - t0
+            if cmd["op"] == "put":
+                reply["ok"] = sum(r.written for r in results)
+            else:
+                reply["ok"] = sum(sum(r) for r in results)
+                assert expected is not None
+                reply["identical"] = all(torch.equal(a, b) for a, b in zip(expected, layers,
+                                                                          strict=True))
+                for t in layers:
+                    t.zero_()
+        elif cmd["op"] == "get_flat":  # not the connector's path: a probe of the transport
+            assert flat is not None
+            t0 = time.perf_counter()
+            ok = 0
+            for i in range(0, args.blocks, batch):
+                ok += sum(pool.get_into(keys[i:i + batch], [
+                    [(flat[b].data_ptr(), shape.block_bytes)] for b in ids[i:i + batch]]))
+            reply["seconds"] = time.perf_counter() - t0
+            reply["ok"] = ok
+        elif cmd["op"] == "latency":  # one block per call: the small-load floor
+            times = []
+            for i in range(min(50, args.blocks)):
+                t0 = time.perf_counter()
+                transfer.load(keys[i:i + 1], ids[i:i + 1])
+                times.append(time.perf_counter() - t0)
+            reply["median_s"] = statistics.median(times)
+        elif cmd["op"] == "remove":
+            reply["removed"] = pool.remove(keys, force=True)
+        print("REPLY " + json.dumps(reply), flush=True)
+    pool.close()
+
+
+class Worker:
+    def __init__(self, role: str, shape: Shape, blocks: int, master, env: dict[str, str],
+                 max_threads: int, own_segment: bool = False, staging_blocks: int = 0) -> None:
+        argv = [sys.executable, "-m", "benchmarks.bench_kv", "--worker", role,
+                "--layers", str(shape.layers), "--kv-heads", str(shape.kv_heads),
+                "--head-dim", str(shape.head_dim), "--blocks", str(blocks),
+                "--master", master.master_addr, "--metadata", master.metadata_url,
+                "--max-threads", str(max_threads), "--staging-blocks", str(staging_blocks),
+                ] + (["--own-segment"] if own_segment else [])
+        full_env = {**os.environ, **env, "PYTHONPATH": str(ROOT), "GLOG_minloglevel": "2"}
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env=full_env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL)
+        self._expect("READY")
+
+    def _expect(self, prefix: str) -> str:
+        assert self.proc.stdout is not None
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"bench worker exited ({self.proc.wait()})")
+            if line.startswith(prefix):
+                return line[len(prefix):].strip()
+
+    def ask(self, **cmd) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._expect("REPLY "))
+
+    def close(self) -> None:
+        try:
+            self.ask(op="quit")
+        except (RuntimeError, BrokenPipeError, json.JSONDecodeError):
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@dataclass
+class Setting:
+    name: str
+    batch: int
+    threads: int
+    env: dict[str, str] = field(default_factory=dict)
+    get_batch: int = 0
+    """Blocks per get call (0: `batch`). The connector loads a request's whole hit in one call."""
+    staging_blocks: int = 0
+    """The reader's `KVTransfer(staging_blocks=...)` (the connector's `load_staging_blocks`)."""
+    own_segment: bool = False
+    """The writer puts into its own segment (`prefer_local_segment`, as the connector does);
+    otherwise objects go to the holder's, and both put and get cross processes."""
+
+
+@dataclass
+class Result:
+    setting: Setting
+    put_gbps: float
+    get_gbps: float
+    identical: bool
+    get_latency_s: float = 0.0
+    get_flat_gbps: float = 0.0
+    """The same objects read into one contiguous range each instead of one per layer."""
+
+
+def run_setting(s: Setting, shape: Shape, blocks: int, rounds: int, master) -> Result:
+    writer = Worker("writer", shape, blocks, master, s.env, s.threads, s.own_segment)
+    reader = Worker("reader", shape, blocks, master, s.env, s.threads,
+                    staging_blocks=s.staging_blocks)
+    nbytes = blocks * shape.block_bytes
+    puts, gets, flats, identical, latency = [], [], [], True, 0.0
+    try:
+        for r in range(rounds + 1):  # round 0 warms the connections up, not counted
+            prefix = f"bench/{uuid.uuid4().hex[:8]}"
+            p = writer.ask(op="put", prefix=prefix, batch=s.batch, threads=s.threads)
+            g = reader.ask(op="get", prefix=prefix, batch=s.get_batch or s.batch,
+                           threads=s.threads)
+            if p["ok"] != blocks or g["ok"] != blocks:
+                raise RuntimeError(f"{s.name}: put {p['ok']}/{blocks}, got {g['ok']}/{blocks}")
+            identical &= g["identical"]
+            f = reader.ask(op="get_flat", prefix=prefix, batch=s.get_batch or s.batch)
+            if r == rounds:
+                latency = reader.ask(op="latency", prefix=prefix)["median_s"]
+            writer.ask(op="remove", prefix=prefix)
+            if r:
+                puts.append(nbytes / p["seconds"] / GB)
+                gets.append(nbytes / g["seconds"] / GB)
+                flats.append(nbytes / f["seconds"] / GB)
+    finally:
+        writer.close()
+        reader.close()
+    return Result(s, statistics.median(puts), statistics.median(gets), identical, latency,
+                  statistics.median(flats))
+
+
+# ------------------------------------------------------------------------------ Mooncake's own
+
+
+def transfer_engine_bench(master, seconds: int = 2) -> str | None:
+    """Mooncake's `transfer_engine_bench` over TCP (no store), if the wheel ships it: the
+    transport's own ceiling on this machine. Returns its throughput line or None."""
+    import mooncake
+
+    binary = Path(mooncake.__file__).parent / "transfer_engine_bench"
+    if not binary.is_file():
+        return None
+    from cluster.ports import free_port
+
+    tport, iport = free_port(), free_port()
+    meta = master.metadata_url
+    common = [f"--metadata_server={meta}", "--protocol=tcp", "--buffer_size=268435456",
+              "--report_unit=GB"]
+    env = {**os.environ, "GLOG_logtostderr": "1"}
+    target = subprocess.Popen([str(binary), "--mode=target",
+                               f"--local_server_name=127.0.0.1:{tport}", *common],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(1.5)
+        best = None
+        for op in ("write", "read"):
+            out = subprocess.run(
+                [str(binary), "--mode=initiator", f"--local_server_name=127.0.0.1:{iport}",
+                 f"--segment_id=127.0.0.1:{tport}", f"--operation={op}",
+                 f"--duration={seconds}", "--threads=2", "--batch_size=64",
+                 "--block_size=1048576", *common],
+                env=env, capture_output=True, text=True, timeout=seconds + 30)
+            lines = [ln for ln in (out.stdout + out.stderr).splitlines()
+                     if "throughput" in ln.lower()]
+            if lines:
+                line = lines[-1].split("]")[-1].strip()
+                best = f"{best}; {op}: {line}" if best else f"{op}: {line}"
+        return best
+    except (OSError, subprocess.SubprocessError):
+        return None
+    finally:
+        target.kill()
+        target.wait()
+
+
+# ------------------------------------------------------------------------------ recompute
+
+
+def prefill_seconds_per_block(model: str, tokens: int = 1024) -> float:
+    """A real engine's prefill time per block of `BLOCK_SIZE` tokens (no prefix caching,
+    median of 5 prompts of `tokens` tokens, after a warm-up)."""
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model, block_size=BLOCK_SIZE, dtype=DTYPE, max_model_len=2048,
+              enforce_eager=True, kv_cache_memory_bytes=128 * MiB,
+              enable_prefix_caching=False, disable_log_stats=True)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    times = []
+    for i in range(6):
+        prompt = [(7 * i + 13 * j) % 2000 + 3 for j in range(tokens)]
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        if i:
+            times.append(time.perf_counter() - t0)
+    llm.llm_engine.engine_core.shutdown()
+    return statistics.median(times) / (tokens / BLOCK_SIZE)
+
+
+# ------------------------------------------------------------------------------ main
+
+
+SETTINGS = [
+    Setting("connector: writer's segment, put 64 / get 256 blocks per call", 64, 1,
+            get_batch=256, own_segment=True),
+    Setting("holder's segment, 64 blocks per call", 64, 1),
+    Setting("holder's segment, 256 blocks per call", 256, 1),
+    Setting("holder's segment, 64 blocks per call, 4 threads", 64, 4),
+    Setting("connector + MC_TCP_LANES_PER_PEER=16", 64, 1, {"MC_TCP_LANES_PER_PEER": "16"},
+            get_batch=256, own_segment=True),
+    Setting("connector + load_staging_blocks=256", 64, 1, get_batch=256, own_segment=True,
+            staging_blocks=256),
+]
+"""Mooncake 0.3.13's TCP transport: `MC_TCP_LANES_PER_PEER` connections per peer (default 4),
+`MC_TCP_SLICE_SIZE` bytes per slice (default 64 KiB). `MC_STORE_MEMCPY` is auto-enabled on
+TCP-only hosts but only short-cuts transfers to a segment in the same process."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_kv",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=os.environ.get("KVCLUSTER_MODEL", ""),
+                   help="local HF model directory (default: the built-in tiny model)")
+    p.add_argument("--blocks", type=int, default=1024, help="blocks per round (and per cache)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--no-engine", action="store_true", help="skip the prefill measurement")
+    p.add_argument("--quick", action="store_true", help="only the first and best-known setting")
+    # worker mode (internal)
+    p.add_argument("--worker", choices=("writer", "reader"), help=argparse.SUPPRESS)
+    for name in ("--layers", "--kv-heads", "--head-dim", "--max-threads", "--staging-blocks"):
+        p.add_argument(name, type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--own-segment", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--master", help=argparse.SUPPRESS)
+    p.add_argument("--metadata", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        args.role = args.worker
+        worker_main(args)
+        return 0
+
+    t_start = time.perf_counter()
+    os.environ.setdefault("GLOG_minloglevel", "1")  # Mooncake's INFO lines, here and in children
+    from importlib.metadata import version
+
+    from store.master import StoreMaster
+    from store.pool import MooncakePool, PoolConfig
+
+    if not args.model:
+        from tinymodel.builder import ensure_model
+
+        args.model = str(ensure_model())
+    shape = model_shape(args.model)
+    nbytes = args.blocks * shape.block_bytes
+    try:
+        mc_version = version("mooncake-transfer-engine-non-cuda")
+    except Exception:
+        mc_version = version("mooncake-transfer-engine")
+    say(f"machine: {cpu_model()}, {os.cpu_count()} logical CPUs, {platform.machine()}, "
+        f"Python {platform.python_version()}, mooncake {mc_version}; load average "
+        f"{os.getloadavg()[0]:.1f} at start (other jobs share the cores if above ~0.5)")
+    say(f"model: {args.model}")
+    say(f"block: {shape.describe()}")
+    say(f"round: {args.blocks} blocks = {nbytes / MiB:.0f} MiB, {args.rounds} rounds + 1 warm-up"
+        " per setting; writer process -> pool -> reader process, all on 127.0.0.1")
+
+    say("memcpy (numpy, 1 thread, 256 MiB)...")
+    memcpy = measure_memcpy()
+    say(f"  memcpy {memcpy:.2f} GB/s")
+    say("raw loopback TCP between two processes (1 GiB in 4 MiB sendall/recv_into)...")
+    tcp = measure_tcp()
+    say(f"  tcp {tcp:.2f} GB/s")
+
+    settings = [SETTINGS[0], SETTINGS[-1]] if args.quick else SETTINGS
+    results: list[Result] = []
+    master = StoreMaster(eviction_ratio=0.0, eviction_high_watermark_ratio=1.0)
+    with master:
+        holder = MooncakePool(PoolConfig(master_addr=master.master_addr,
+                                         metadata_url=master.metadata_url,
+                                         segment_bytes=nbytes + 64 * MiB))
+        try:
+            for s in settings:
+                say(f"setting: {s.name} ...")
+                r = run_setting(s, shape, args.blocks, args.rounds, master)
+                results.append(r)
+                say(f"  put {r.put_gbps:.2f} GB/s  get {r.get_gbps:.2f} GB/s  "
+                    f"bytes identical: {r.identical}  1-block get latency "
+                    f"{r.get_latency_s * 1e3:.2f} ms  (probe: get into one range per block "
+                    f"{r.get_flat_gbps:.2f} GB/s)")
+        finally:
+            holder.close()
+        say("Mooncake transfer_engine_bench (TCP, 1 MiB blocks, 2 threads, no store)...")
+        te = transfer_engine_bench(master)
+        say(f"  {te or 'not available'}")
+
+    best = max(results, key=lambda r: min(r.put_gbps, r.get_gbps))
+    default = results[0]  # what the connector does: the summary
+    load_block_s = shape.block_bytes / (default.get_gbps * GB)
+    say(f"best setting: {best.setting.name} {best.setting.env or ''}; the summary line is the "
+        f"connector's: {default.setting.name}")
+    if not args.no_engine:
+        say("prefill on a real engine (no prefix caching, 1024-token prompts)...")
+        per_block = prefill_seconds_per_block(args.model)
+        lone = default.get_latency_s
+        say(f"  recompute {per_block * 1e3:.3f} ms per block; load {load_block_s * 1e3:.3f} ms "
+            f"per block in bulk ({per_block / load_block_s:.1f}x faster than recompute), "
+            f"{lone * 1e3:.2f} ms for a lone block ({per_block / lone:.1f}x): loading wins "
+            f"{'from the first block' if lone < per_block else 'only for longer prefixes'}")
+    for r in results:
+        say(f"  {r.setting.name:48s} put {r.put_gbps:5.2f}  get {r.get_gbps:5.2f} GB/s  "
+            f"put/tcp {r.put_gbps / tcp:.2f}  get/tcp {r.get_gbps / tcp:.2f}")
+    say(f"connector default: put {default.put_gbps:.2f} get {default.get_gbps:.2f} GB/s; "
+        f"memcpy/tcp {memcpy / tcp:.2f}; load average {os.getloadavg()[0]:.1f} at end; "
+        f"total {time.perf_counter() - t_start:.0f} s")
+    if not all(r.identical for r in results):
+        say("ERROR: a reader got different bytes than the writer put")
+        return 1
+    say(f"kv put_gbps={default.put_gbps:.2f} get_gbps={default.get_gbps:.2f} tcp_gbps={tcp:.2f} "
+        f"memcpy_gbps={memcpy:.2f} get_vs_tcp={default.get_gbps / tcp:.2f} "
+        f"put_vs_tcp={default.put_gbps / tcp:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    threading.current_thread().name = "bench-kv"
+    sys.exit(main())

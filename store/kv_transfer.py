@@ -1,0 +1,281 @@
+"""The KV connector's data path: whole blocks between a registered paged KV cache and the pool.
+
+No vLLM import here: `benchmarks.bench_kv` and tests drive the same code as the connector.
+`BlockLayout` finds where each block lives for any backend's layout; `KVTransfer` saves
+(after a `batch_is_exist` dedup check) and loads blocks with the pool's zero-copy calls and
+counts what happened (`TransferStats`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import structlog
+import torch
+
+from store.pool import PoolError, ZeroCopyPool
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where every block of a paged KV cache lives in memory, for any backend's layout.
+
+    Per layer, the dimension that indexes blocks is found by size (`_block_dim`); block `b` of
+    a layer starts `b * stride` bytes after block 0, and block 0's slice is cut into the fewest
+    contiguous pieces (one on CPU, where the block dim is first; K and V apart for
+    FlashAttention's [2, num_blocks, ...]). A block's object is the concatenation of those
+    pieces over all layers, in layer order, i.e. `torch.cat([t.select(d, b).flatten()...])`.
+    """
+
+    bases: tuple[int, ...]
+    strides: tuple[int, ...]
+    pieces: tuple[tuple[tuple[int, int], ...], ...]
+    """Per layer, (offset from the block's start, nbytes) of each contiguous piece."""
+    regions: tuple[tuple[int, int], ...]
+    """(address, nbytes) of the memory to register: the layers' storages, merged."""
+    num_blocks: int
+    device: str
+
+    @classmethod
+    def of(cls, layers: Sequence[torch.Tensor], num_blocks: int) -> BlockLayout:
+        if not layers:
+            raise ValueError("no KV cache layers")
+        bases, strides, pieces, spans = [], [], [], []
+        for t in layers:
+            d = block_dim(t, num_blocks)
+            es = t.element_size()
+            block0 = t.select(d, 0)
+            base = block0.data_ptr()
+            bases.append(base)
+            strides.append(t.stride(d) * es)
+            pieces.append(tuple((a - base, n) for a, n in _contiguous_pieces(block0)))
+            storage = t.untyped_storage()
+            spans.append((storage.data_ptr(), storage.nbytes()))
+        return cls(tuple(bases), tuple(strides), tuple(pieces), _merge(spans), num_blocks,
+                   layers[0].device.type)
+
+    @property
+    def block_nbytes(self) -> int:
+        return sum(n for layer in self.pieces for _, n in layer)
+
+    def ranges(self, block_id: int) -> list[tuple[int, int]]:
+        """(address, nbytes) pieces of one block's object, in object order."""
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block {block_id} out of [0, {self.num_blocks})")
+        return [
+            (base + block_id * stride + off, n)
+            for base, stride, layer in zip(self.bases, self.strides, self.pieces, strict=True)
+            for off, n in layer
+        ]
+
+
+def _piece_views(layout: BlockLayout) -> list[tuple[np.ndarray, int, int]]:
+    """Per piece of the object format: a [num_blocks, nbytes] uint8 view of that piece in every
+    block of the cache, its offset in the object, and its size."""
+    views, src = [], 0
+    for base, stride, pieces in zip(layout.bases, layout.strides, layout.pieces, strict=True):
+        for off, n in pieces:
+            span = (layout.num_blocks - 1) * stride + n
+            raw = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(base + off))
+            views.append((np.lib.stride_tricks.as_strided(raw, (layout.num_blocks, n),
+                                                           (stride, 1)), src, n))
+            src += n
+    return views
+
+
+def _contiguous_pieces(t: torch.Tensor) -> list[tuple[int, int]]:
+    """(address, nbytes) runs covering `t` in logical order; adjacent runs merged."""
+    if t.is_contiguous():
+        runs = [(t.data_ptr(), t.numel() * t.element_size())]
+    else:
+        runs = [r for i in range(t.shape[0]) for r in _contiguous_pieces(t[i])]
+    merged: list[tuple[int, int]] = []
+    for a, n in runs:
+        if merged and merged[-1][0] + merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], merged[-1][1] + n)
+        else:
+            merged.append((a, n))
+    return merged
+
+
+def _merge(spans: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    out: list[tuple[int, int]] = []
+    for a, n in sorted(spans):
+        if out and a <= out[-1][0] + out[-1][1]:
+            end = max(out[-1][0] + out[-1][1], a + n)
+            out[-1] = (out[-1][0], end - out[-1][0])
+        else:
+            out.append((a, n))
+    return tuple(out)
+
+
+@dataclass
+class TransferStats:
+    """Cumulative counters of one process's KV transfers (blocks, bytes, seconds)."""
+
+    blocks_written: int = 0
+    bytes_written: int = 0
+    blocks_deduplicated: int = 0
+    """Blocks a save found already in the pool (written by anyone, any time) and skipped."""
+    save_skipped_full: int = 0
+    save_failed: int = 0
+    """Blocks not saved for any other reason: pool unavailable, errors."""
+    save_batches: int = 0
+    save_seconds: float = 0.0
+    blocks_loaded: int = 0
+    bytes_loaded: int = 0
+    load_failed: int = 0
+    """Blocks whose load failed after the lookup promised them: vLLM recomputes them."""
+    load_batches: int = 0
+    load_seconds: float = 0.0
+
+    def add(self, other: TransferStats) -> TransferStats:
+        return TransferStats(**{k: v + getattr(other, k) for k, v in asdict(self).items()})
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    written: int
+    deduplicated: int
+    full: int
+    failed: int
+
+
+class KVTransfer:
+    """Moves whole blocks between a registered paged KV cache and a `ZeroCopyPool`: the one
+    data path of the connector (and of `benchmarks.bench_kv`). Thread-safe; never raises for
+    pool trouble (results say what happened, `stats` counts it)."""
+
+    def __init__(self, layout: BlockLayout, pool: Callable[[], ZeroCopyPool | None], *,
+                 staging_blocks: int = 0) -> None:
+        """`staging_blocks` > 0 (host memory only): loads land in a registered staging buffer
+        of that many blocks, one contiguous range per object, and are scattered into the cache
+        by numpy (one vectorized copy per layer piece and batch). Not zero-copy, but Mooncake's
+        TCP transport moves one range per object instead of one per layer piece, which is what
+        limits it with small pieces (see docs/benchmarks.md). 0: straight into the cache."""
+        self.layout = layout
+        self._pool_source = pool
+        self._registered: ZeroCopyPool | None = None
+        self._lock = threading.Lock()
+        self.stats = TransferStats()
+        self._stage: np.ndarray | None = None
+        self._stage_lock = threading.Lock()
+        self._views: list[tuple[np.ndarray, int, int]] = []
+        if staging_blocks > 0 and layout.device == "cpu":
+            self._stage = np.zeros((staging_blocks, layout.block_nbytes), dtype=np.uint8)
+            self._views = _piece_views(layout)
+
+    def _pool(self) -> ZeroCopyPool | None:
+        pool = self._pool_source()
+        if pool is None:
+            return None
+        with self._lock:
+            if self._registered is not pool:
+                regions = list(self.layout.regions)
+                if self._stage is not None:
+                    regions.append((self._stage.ctypes.data, self._stage.nbytes))
+                try:
+                    for addr, nbytes in regions:
+                        pool.register_memory(addr, nbytes)
+                except PoolError as e:
+                    log.warning("kv_register_failed", error=str(e), fallback="recompute")
+                    return None
+                self._registered = pool
+        return pool
+
+    def connect(self) -> bool:
+        """Join the pool and register the cache, if the pool can be reached now."""
+        return self._pool() is not None
+
+    def save(self, keys: Sequence[str], block_ids: Sequence[int]) -> SaveResult:
+        """Write the blocks the pool does not hold yet."""
+        t0 = time.perf_counter()
+        pool = self._pool()
+        n = len(keys)
+        if pool is None:
+            return self._count_save(SaveResult(0, 0, 0, n), 0, t0)
+        present = pool.exists(list(keys)) if n else []
+        todo = [i for i in range(n) if not present[i]]
+        if not todo:
+            return self._count_save(SaveResult(0, n, 0, 0), 0, t0)
+        report = pool.put_from([keys[i] for i in todo],
+                               [self.layout.ranges(block_ids[i]) for i in todo])
+        result = SaveResult(report.written, n - len(todo), report.full,
+                            report.failed + report.unavailable)
+        return self._count_save(result, report.written * self.layout.block_nbytes, t0)
+
+    def _count_save(self, r: SaveResult, nbytes: int, t0: float) -> SaveResult:
+        with self._lock:
+            s = self.stats
+            s.blocks_written += r.written
+            s.bytes_written += nbytes
+            s.blocks_deduplicated += r.deduplicated
+            s.save_skipped_full += r.full
+            s.save_failed += r.failed
+            s.save_batches += 1
+            s.save_seconds += time.perf_counter() - t0
+        return r
+
+    def load(self, keys: Sequence[str], block_ids: Sequence[int]) -> list[bool]:
+        """Read blocks into the cache; False where a block did not arrive whole (its memory
+        then holds garbage and must be recomputed)."""
+        t0 = time.perf_counter()
+        pool = self._pool()
+        if pool is None or not keys:
+            ok = [False] * len(keys)
+        elif self._stage is not None:
+            ok = self._load_staged(pool, keys, block_ids)
+        else:
+            ok = pool.get_into(list(keys), [self.layout.ranges(b) for b in block_ids])
+        loaded = sum(ok)
+        with self._lock:
+            s = self.stats
+            s.blocks_loaded += loaded
+            s.bytes_loaded += loaded * self.layout.block_nbytes
+            s.load_failed += len(ok) - loaded
+            s.load_batches += 1
+            s.load_seconds += time.perf_counter() - t0
+        return ok
+
+    def _load_staged(self, pool: ZeroCopyPool, keys: Sequence[str],
+                     block_ids: Sequence[int]) -> list[bool]:
+        assert self._stage is not None
+        stage, nbytes = self._stage, self.layout.block_nbytes
+        base = stage.ctypes.data
+        ok: list[bool] = []
+        with self._stage_lock:
+            for start in range(0, len(keys), len(stage)):
+                ck = list(keys[start:start + len(stage)])
+                got = pool.get_into(ck, [[(base + i * nbytes, nbytes)] for i in range(len(ck))])
+                rows = [i for i, g in enumerate(got) if g]
+                if rows:
+                    ids = [block_ids[start + i] for i in rows]
+                    for view, src, n in self._views:
+                        view[ids] = stage[rows, src:src + n]
+                ok.extend(got)
+        return ok
+
+    def count_deduplicated(self, blocks: int) -> None:
+        """Blocks a caller skipped because another save of the same batch covers them."""
+        with self._lock:
+            self.stats.blocks_deduplicated += blocks
+
+    def snapshot(self) -> TransferStats:
+        with self._lock:
+            return TransferStats(**asdict(self.stats))
+
+
+def block_dim(t: torch.Tensor, num_blocks: int) -> int:
+    """The dimension of a per-layer KV tensor that indexes blocks (0 on CPU, 1 for
+    FlashAttention's [2, num_blocks, ...]): the first whose size is the block count."""
+    for d, size in enumerate(t.shape):
+        if size == num_blocks:
+            return d
+    raise ValueError(f"no dimension of size num_blocks={num_blocks} in KV shape {tuple(t.shape)}")
