@@ -80,11 +80,13 @@ class ConnectorSettings:
     op_timeout_s: float = 5.0
     """A pool call giving no sign of progress for this long counts as the pool being down."""
     prefer_local_segment: bool = True
+    """Saves land in this engine's own segment while it has room: a local copy, and the one
+    network crossing is the reader's (`PoolConfig.prefer_local_segment`)."""
     load_staging_blocks: int = 0
     """> 0: loads go through a staging buffer of that many blocks (`KVTransfer`): one range per
     object on the wire, then a copy into the cache. 0 (default): straight into the cache."""
-    """Saves land in this engine's own segment while it has room: a local copy, and the one
-    network crossing is the reader's (`PoolConfig.prefer_local_segment`)."""
+    local_host: str = "127.0.0.1"
+    """The address other nodes reach this engine's segment at (the worker's advertised host)."""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -104,6 +106,7 @@ class ConnectorSettings:
             rdma_devices=self.rdma_devices,
             op_timeout_s=self.op_timeout_s,
             prefer_local_segment=self.prefer_local_segment,
+            local_host=self.local_host,
         )
 
 

@@ -65,6 +65,9 @@ class Engine:
                 "metadata_url": c.pool_metadata,
                 "namespace": self.namespace,
                 "segment_bytes": c.pool_segment_bytes,
+                # other nodes read this engine's segment there (loopback in the embedded
+                # cluster, the advertised address on a real one)
+                "local_host": c.advertise_host,
             },
         )
         args = AsyncEngineArgs(
