@@ -4,6 +4,10 @@ A child is started as a session leader so that `stop()`/`kill()` reach its own c
 (vLLM's engine core), and through `setpriv --pdeathsig KILL` so that it dies with its parent.
 No `preexec_fn`: that forces a real fork(), and gRPC's fork handlers then abort children
 of a process with RPCs in flight.
+
+Linux sends the parent-death signal when the *thread* that forked exits, not the process: a
+child started from a short-lived thread would be killed with it. So every child is started
+from one long-lived spawner thread, whichever thread asks.
 """
 
 from __future__ import annotations
@@ -14,9 +18,12 @@ import signal
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 _SETPRIV = shutil.which("setpriv")
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
+"""Lives as long as the process: the parent-death signal follows the forking thread."""
 
 
 def _die_with_parent(argv: list[str]) -> list[str]:
@@ -45,16 +52,19 @@ class ManagedProcess:
     def start(self) -> ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab", buffering=0)
-        self.proc = subprocess.Popen(
-            _die_with_parent(self.argv),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=self.env,
-            cwd=self.cwd,
-            start_new_session=True,
-        )
-        log.close()
+        try:
+            self.proc = _SPAWNER.submit(
+                subprocess.Popen,
+                _die_with_parent(self.argv),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                cwd=self.cwd,
+                start_new_session=True,
+            ).result()
+        finally:
+            log.close()
         return self
 
     @property

@@ -26,6 +26,8 @@ class HealthChecker:
     def __init__(self, registry: Registry, interval_s: float) -> None:
         self.registry = registry
         self.interval_s = interval_s
+        self.timeout_s = max(2 * interval_s, 2.0)
+        """A busy machine answers late; a dead instance refuses at once, whatever this is."""
         self._tasks: dict[str, asyncio.Task] = {}
         self.failures_total = 0
         registry.listen(self)
@@ -57,7 +59,7 @@ class HealthChecker:
             why = ""
             try:
                 reply = await stub.Check(health_pb2.HealthCheckRequest(service=SERVICE),
-                                         timeout=self.interval_s)
+                                         timeout=self.timeout_s)
                 if reply.status != health_pb2.HealthCheckResponse.SERVING:
                     why = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
             except grpc.aio.AioRpcError as e:

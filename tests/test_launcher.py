@@ -74,3 +74,26 @@ def test_launcher_serves_and_ctrl_c_leaves_nothing(model_dir, tmp_path):
     time.sleep(0.5)
     left = [p for p in seen if _alive(p)]
     assert not left, f"processes left behind: {left}"
+
+
+def test_a_child_outlives_the_thread_that_started_it(tmp_path):
+    """The parent-death signal follows the forking thread: children are forked from one
+    long-lived thread, so a worker started from a short-lived one is not killed with it."""
+    import threading
+
+    from cluster.process import ManagedProcess
+
+    box: list[ManagedProcess] = []
+
+    def start() -> None:
+        box.append(ManagedProcess("sleeper", ["sleep", "30"], tmp_path / "s.log").start())
+        time.sleep(0.5)  # setpriv has set the signal by now
+
+    t = threading.Thread(target=start)
+    t.start()
+    t.join()
+    time.sleep(1.0)
+    try:
+        assert box[0].alive(), f"killed with its starting thread: {box[0].returncode}"
+    finally:
+        box[0].kill()
