@@ -318,6 +318,10 @@ class Pipeline:
             )
         except grpc.aio.AioRpcError as e:
             raise _failure(e, inst, "prefill") from None
+        except asyncio.CancelledError:
+            if _cancelled_by_us():
+                raise
+            raise _left(inst, "prefill") from None
         self.registry.call_succeeded(inst.info.instance_id)
         return reply
 
@@ -376,6 +380,10 @@ class Pipeline:
                     f"{sorted(unfinished)} finished"))
         except grpc.aio.AioRpcError as e:
             raise _failure(e, inst, "decode") from None
+        except asyncio.CancelledError:
+            if _cancelled_by_us():
+                raise
+            raise _left(inst, "decode") from None
         finally:
             call.cancel()
 
@@ -440,6 +448,21 @@ def _continuable(prep: Prepared) -> bool:
     """A broken stream can go on elsewhere: one choice, no prompt logprobs to resend."""
     p = prep.params
     return (p.n or 1) == 1 and not p.HasField("prompt_logprobs")
+
+
+def _cancelled_by_us() -> bool:
+    """A CancelledError out of a worker call is ours (the client went away) when this task is
+    being cancelled; otherwise grpc.aio cancelled the call itself because the channel to an
+    instance that left the cluster closed under it (no AioRpcError then)."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
+
+
+def _left(inst: Instance, stage: str) -> WorkerFailure:
+    log.warning("worker_rpc_failed", instance=inst.info.instance_id, stage=stage,
+                code="CANCELLED", details="channel closed: the instance left the cluster")
+    return WorkerFailure(inst.info.instance_id, grpc.StatusCode.CANCELLED, UpstreamFailed(
+        f"{stage} on {inst.info.instance_id}: the instance left the cluster"))
 
 
 def _failure(e: grpc.aio.AioRpcError, inst: Instance, stage: str) -> WorkerFailure:

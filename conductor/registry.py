@@ -21,6 +21,8 @@ log = structlog.get_logger(__name__)
 
 BREAKER_THRESHOLD = 3
 """Failed worker calls in a row that open an instance's circuit breaker."""
+LEFT_GRACE_S = 60.0
+"""How long RPCs in flight to an instance that left membership may still run."""
 
 
 @dataclass
@@ -105,7 +107,10 @@ class Registry:
         log.info("instance_left", instance_id=iid, role=inst.info.role)
         for listener in self._listeners:
             listener.instance_left(inst)
-        # Closing cancels RPCs in flight to a dead instance: they fail fast.
+        # Its requests in flight go on: an instance whose lease lapsed may well be alive (a
+        # starved machine), and a dead one fails them by itself (connection reset). The channel
+        # closes once they ended, or cancels them after LEFT_GRACE_S (the pipeline then
+        # retries or migrates them).
         _close_later(inst.channel)
         return inst
 
@@ -233,6 +238,6 @@ def _close_later(channel: grpc.aio.Channel) -> None:
     import asyncio
 
     try:
-        asyncio.get_running_loop().create_task(channel.close(grace=1.0))
+        asyncio.get_running_loop().create_task(channel.close(grace=LEFT_GRACE_S))
     except RuntimeError:
         pass

@@ -229,7 +229,8 @@ class LocalConductor:
         config = parse_args(["--model", self.model_dir, "--etcd", "127.0.0.1:1",
                              "--port", str(self.port), "--kv-events", "false",
                              *self.conductor_args])
-        app = create_app(config, membership=lambda on_change: StaticMembership(members))
+        app = self.app = create_app(config,
+                                    membership=lambda on_change: StaticMembership(members))
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
                                                      loop="asyncio", log_level="warning",
                                                      lifespan="on"))

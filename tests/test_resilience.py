@@ -167,3 +167,32 @@ def test_beyond_max_in_flight_new_requests_get_a_fast_429_and_nothing_leaks(mode
         assert first[0].status_code == 200
         for stream in (False, True, False):  # the count came back down each time
             assert complete(c.url, PROMPT, stream=stream).status_code == 200
+
+
+def test_a_call_cancelled_by_its_channel_closing_is_an_instance_failure(model_dir):
+    """grpc.aio cancels the calls of a channel that closes (the instance left membership):
+    that is no client going away, so the request is retried elsewhere, not dropped as a 499."""
+    import asyncio
+    import threading
+    import time
+
+    with LocalConductor(model_dir, roles=("prefill", "decode", "decode"),
+                        knobs=Knobs(continue_sequence=True, token_delay_s=0.3)) as c:
+        result: list[httpx.Response] = []
+        t = threading.Thread(target=lambda: result.append(
+            complete(c.url, PROMPT, max_tokens=4, stream=True)))
+        t.start()
+        registry = c.app.state.conductor.registry
+        deadline = time.monotonic() + 10
+        while not any(w.counts.running for n, w in c.workers.items() if n.startswith("decode")):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        busy = next(n for n, w in c.workers.items() if n.startswith("decode") and w.counts.running)
+        asyncio.run_coroutine_threadsafe(registry.get(busy).channel.close(grace=None),
+                                         c._loop).result(5)
+        t.join(20)
+        text, _ = streamed_text(result[0])
+        assert text == expected(PROMPT, 4)
+        moved = (metric(c.url, "kvcluster_retries_total", stage="decode")
+                 + metric(c.url, "kvcluster_stream_migrations_total"))
+        assert moved == 1
