@@ -61,7 +61,7 @@ bench-sched: install
 bench-kv: install
 	$(PY) -m benchmarks.bench_kv
 
-bench: bench-sched
+bench: bench-sched bench-kv
 
 # Kill workers, the store master and etcd under traffic; classify every answer against a
 # single-engine reference (docs/reliability.md; last line: summary). CHAOS_ARGS: e.g.
