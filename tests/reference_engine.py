@@ -1,7 +1,9 @@
 """A standalone vLLM engine, no connector, no disaggregation: the reference the cluster's output
 must equal. Reads {"model", "block_size", "max_model_len", "dtype", "prompts": [[ids...]],
-"max_tokens"} as JSON on stdin; writes [{"token_ids", "logprobs"}] on the stdout line that
-starts with "RESULT " (vLLM logs to stdout too)."""
+"max_tokens", optional "runner_up": true} as JSON on stdin; writes [{"token_ids", "logprobs"
+(, "runner_up": [[token, logprob] per position])}] on the stdout line that starts with
+"RESULT " (vLLM logs to stdout too). The runner-up tells an exact tie (two tokens of equal
+logit, which float noise may order either way) from a real difference."""
 
 from __future__ import annotations
 
@@ -18,17 +20,24 @@ def main() -> None:
     llm = LLM(model=job["model"], block_size=job["block_size"], dtype=job["dtype"],
               max_model_len=job["max_model_len"], enforce_eager=True,
               kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False)
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], logprobs=1,
-                            ignore_eos=True)
+    runner_up = bool(job.get("runner_up"))
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"],
+                            logprobs=2 if runner_up else 1, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], params)
     result = []
     for out in outs:
         comp = out.outputs[0]
-        result.append({
+        item = {
             "token_ids": list(comp.token_ids),
             "logprobs": [lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs,
                                                                  strict=True)],
-        })
+        }
+        if runner_up:
+            item["runner_up"] = [
+                next(([k, v.logprob] for k, v in sorted(lp.items(), key=lambda kv: -kv[1].logprob)
+                      if k != t), [-1, float("-inf")])
+                for t, lp in zip(comp.token_ids, comp.logprobs, strict=True)]
+        result.append(item)
     print("RESULT " + json.dumps(result), flush=True)
 
 
