@@ -271,7 +271,10 @@ def main(argv: list[str] | None = None) -> int:
             stopping = True
             raise KeyboardInterrupt
 
+    # SIGINT too, explicitly: a process started with SIGINT ignored (as background jobs and
+    # some test runners start children) would otherwise never see Ctrl-C.
     signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     try:
         print(f"starting the embedded cluster (logs in {cluster.run_dir}/) ...", flush=True)
         cluster.start()

