@@ -239,7 +239,7 @@ class Pipeline:
         worker refused it: a 4xx) is raised as its answer."""
         if not f.retryable:
             raise f.error from None
-        dispatch.failed(f.instance)
+        dispatch.withdraw(f.instance)
         self.registry.call_failed(f.instance, fatal=f.code in _UNREACHABLE,
                                   cooldown_s=self.config.breaker_cooldown_s)
         return f.instance
@@ -288,7 +288,7 @@ class Pipeline:
             targets.append(inst)
         dispatch = self.route(prep)
         if dispatch.decode is not dispatch.prefill:  # no decode follows: nothing lands there
-            dispatch.failed(dispatch.decode.instance_id)
+            dispatch.withdraw(dispatch.decode.instance_id)
         try:
             await self._prefill(dispatch.prefill, prep, outcome, dispatch)
         except WorkerFailure as f:

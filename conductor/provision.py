@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import time
 
 import grpc
@@ -86,8 +87,6 @@ class Provisioner:
 
 
 def _stop_all(procs: list[ManagedProcess]) -> None:
-    import signal
-
     for p in procs:
         p.signal_group(signal.SIGTERM)
     for p in procs:

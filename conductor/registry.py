@@ -204,8 +204,9 @@ class Registry:
         """The routable (not draining, not unhealthy) instances' loads, frozen. Kept up to
         date by patching the previous snapshot with the instances changed since
         (`LoadState.on_change`, `mark_changed`): its cost follows changes, not cluster size."""
-        if self._next_close <= time.monotonic():
-            self._half_open(time.monotonic())
+        clock = time.monotonic()
+        if self._next_close <= clock:
+            self._half_open(clock)
         snap, dirty = self._snap, self._dirty
         params = params or (snap.params if snap is not None else SchedulerParams())
         cached = cached_blocks or _none

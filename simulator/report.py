@@ -108,14 +108,8 @@ def plot_ttft_cdf(runs: dict[str, Sequence[RequestResult]], slo_s: float, path: 
             ax.plot(ttft, [(i + 1) / len(results) for i in range(len(ttft))], label=name)
     ax.axvline(slo_s, color="grey", ls="--", lw=1, label=f"TTFT SLO {slo_s:g} s")
     ax.set_xscale("log")
-    ax.set_xlabel("TTFT (s)")
-    ax.set_ylabel("fraction of all requests (rejected never arrive)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish(plt, fig, ax, "TTFT (s)", "fraction of all requests (rejected never arrive)",
+            title, path)
 
 
 def plot_lines(series: dict[str, tuple[Sequence[float], Sequence[float]]], xlabel: str,
@@ -124,6 +118,11 @@ def plot_lines(series: dict[str, tuple[Sequence[float], Sequence[float]]], xlabe
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for name, (xs, ys) in series.items():
         ax.plot(xs, ys, marker="o", label=name)
+    _finish(plt, fig, ax, xlabel, ylabel, title, path)
+
+
+def _finish(plt, fig, ax, xlabel: str, ylabel: str, title: str, path: Path) -> None:
+    """Labels, legend and grid as every plot here has them; saved and closed."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)

@@ -261,9 +261,10 @@ class Dispatch:
                                         (self._last_token_at - self._first_token_at) / steps)
         self.release()
 
-    def failed(self, instance_id: str) -> None:
-        """The request failed on that instance: what it was predicted to leave there (and,
-        for a failed prefill, in the pool) will not be."""
+    def withdraw(self, instance_id: str) -> None:
+        """The request will leave nothing on that instance (it failed there, or will not run
+        there): take back what it was predicted to leave there (and, while its prefill is
+        open there, in the pool)."""
         idx = self.router.index
         idx.withdraw(instance_id, self.block_hashes)
         if instance_id == self.prefill.instance_id and self._prefill_open:
