@@ -332,7 +332,10 @@ def create_app(config: ConductorConfig,
         headers = {}
         if err.retry_after is not None:
             headers["Retry-After"] = str(max(1, round(err.retry_after)))
-        return JSONResponse(error_body(err), status_code=http_status(err), headers=headers)
+        status = http_status(err)
+        if status >= 500:
+            log.warning("answer_5xx", status=status, path=request.url.path, error=err.message)
+        return JSONResponse(error_body(err), status_code=status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:

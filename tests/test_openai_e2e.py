@@ -219,5 +219,18 @@ def test_schemathesis_finds_no_5xx_and_no_schema_violation(cluster, tmp_path):
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "schemathesis_hooks", "PYTHONPATH": path}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env,
                           cwd=tmp_path)  # its crash cache goes there, not into the repo
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, _schemathesis_failures(proc.stdout, proc.stderr, cluster)
     assert "FAILURES" not in proc.stdout and " passed" in proc.stdout, proc.stdout[-3000:]
+
+
+def _schemathesis_failures(stdout: str, stderr: str, cluster) -> str:
+    """What a failed fuzz run needs to be understood from a CI log that keeps only a little:
+    schemathesis's failure section (each case's reproduction command and response) and the
+    conductor's log lines for answers of 500 and up."""
+    at = stdout.find("FAILURES")
+    failures = stdout[at:at + 5000] if at >= 0 else stdout[-4000:]
+    log = cluster.run_dir / "conductor.log"
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    bad = [ln for ln in lines if any(k in ln for k in (
+        "answer_5xx", "internal_error", "Traceback", "worker_rpc_failed", "breaker"))]
+    return failures + "\n--- conductor.log (errors) ---\n" + "\n".join(bad[-40:]) + stderr[-1500:]
