@@ -105,9 +105,9 @@ def trace_derived(seed: int, trace_path: str | Path, n_requests: int, max_prompt
     block whose id differs (with probability 1 - vocab.size ** -block_tokens).
     Output: `min(output_length, max_tokens_cap)`, at least 1. Arrivals: the trace's
     timestamps from the first one, rescaled so the mean rate is `rate_rps` (all at 0.0 if
-    the timestamps are equal). Group: the
-    first block id. Note the trace's reuse grows along it: its first few hundred lines reuse
-    only a few percent of their blocks among themselves, its last few hundred about 66%.
+    the timestamps are equal). Group: the first block id. Note the trace's reuse grows
+    along it: its first few hundred lines reuse only a few percent of their blocks among
+    themselves, its last few hundred about 66%.
     """
     _check_positive(n_requests=n_requests, max_prompt_tokens=max_prompt_tokens,
                     max_tokens_cap=max_tokens_cap)
