@@ -1,0 +1,1 @@
+"""End-to-end serving benchmark: request workloads and the report of a run."""

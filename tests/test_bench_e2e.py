@@ -1,0 +1,256 @@
+"""The end-to-end benchmark's pure parts: workload generators and the report (no engines)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+
+from benchmarks.e2e.report import (
+    RequestRecord,
+    Summary,
+    markdown_table,
+    plot,
+    plot_cdf,
+    ratio,
+    summarize,
+    summary_line,
+    token_gaps,
+)
+from benchmarks.e2e.workloads import (
+    Vocab,
+    low_reuse,
+    reuse_ratio,
+    shared_prefix,
+    trace_derived,
+)
+
+VOCAB = Vocab(100, 30000)
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+
+
+def _shared(seed: int = 1, n: int = 64):
+    return shared_prefix(seed, n_requests=n, n_groups=4, prefix_tokens=256, suffix_tokens=16,
+                         max_tokens=8, rate_rps=4.0, vocab=VOCAB)
+
+
+def _low(seed: int = 1, n: int = 64):
+    return low_reuse(seed, n_requests=n, prompt_tokens=128, max_tokens=8, rate_rps=4.0,
+                     vocab=VOCAB)
+
+
+def _write_trace(path: Path, lines: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+@pytest.fixture
+def small_trace(tmp_path: Path) -> Path:
+    return _write_trace(tmp_path / "trace.jsonl", [
+        {"timestamp": 0, "input_length": 1536, "output_length": 500, "hash_ids": [0, 1, 2]},
+        {"timestamp": 1000, "input_length": 1100, "output_length": 0, "hash_ids": [0, 1, 3]},
+        {"timestamp": 3000, "input_length": 600, "output_length": 7, "hash_ids": [4, 5]},
+        {"timestamp": 4000, "input_length": 100, "output_length": 7, "hash_ids": [6]},
+    ])
+
+
+def _trace(path: Path, seed: int = 1, n: int = 3):
+    return trace_derived(seed, path, n_requests=n, max_prompt_tokens=60, max_tokens_cap=64,
+                         rate_rps=1.0, vocab=VOCAB)
+
+
+def test_generators_are_deterministic_per_seed(small_trace: Path) -> None:
+    for make in (_shared, _low, lambda seed: _trace(small_trace, seed)):
+        assert make(seed=7) == make(seed=7)
+        a, b = make(seed=7), make(seed=8)
+        assert [r.prompt_token_ids for r in a.requests] != [r.prompt_token_ids for r in b.requests]
+
+
+def test_tokens_in_vocab_and_arrivals_ordered_from_zero(small_trace: Path) -> None:
+    for w in (_shared(), _low(), _trace(small_trace)):
+        tokens = [t for r in w.requests for t in r.prompt_token_ids]
+        assert min(tokens) >= VOCAB.lo and max(tokens) < VOCAB.hi
+        arrivals = [r.arrival_s for r in w.requests]
+        assert arrivals[0] == 0.0 and arrivals == sorted(arrivals)
+        assert len({r.request_id for r in w.requests}) == len(w.requests)
+        assert w.description
+
+
+def test_poisson_arrivals_have_the_requested_mean_rate() -> None:
+    w = shared_prefix(3, n_requests=2000, n_groups=4, prefix_tokens=4, suffix_tokens=4,
+                      max_tokens=1, rate_rps=8.0, vocab=VOCAB)
+    rate = (len(w.requests) - 1) / w.requests[-1].arrival_s
+    assert rate == pytest.approx(8.0, rel=0.1)
+
+
+def test_shared_prefix_groups_share_prefix_and_interleave() -> None:
+    w = _shared()
+    groups = [r.group for r in w.requests]
+    assert groups != sorted(groups)
+    changes = sum(a != b for a, b in zip(groups, groups[1:], strict=False))
+    assert changes / (len(groups) - 1) > 0.5
+    sizes = {g: groups.count(g) for g in set(groups)}
+    assert len(sizes) == 4 and max(sizes.values()) - min(sizes.values()) <= 1
+    for g in sizes:
+        prompts = [r.prompt_token_ids for r in w.requests if r.group == g]
+        assert len({p[:256] for p in prompts}) == 1
+    assert len({r.prompt_token_ids[256:] for r in w.requests}) == len(w.requests)
+    assert len({r.prompt_token_ids[:256] for r in w.requests}) == 4
+
+
+def test_trace_equal_hash_prefixes_give_equal_token_prefixes(small_trace: Path) -> None:
+    a, b, c = (r.prompt_token_ids for r in _trace(small_trace).requests)
+    # 3 blocks at most, 60 tokens: 20 tokens per trace block
+    assert a[:40] == b[:40]
+    assert a[40:60] != b[40:60]
+    assert c[:20] != a[:20] and c[20:40] != a[20:40]
+    assert (len(a), len(b), len(c)) == (60, 43, 24)  # ceil(input_length * 20 / 512)
+
+
+def test_trace_outputs_arrivals_and_groups(small_trace: Path) -> None:
+    w = _trace(small_trace)
+    assert [r.max_tokens for r in w.requests] == [64, 1, 7]
+    assert [r.arrival_s for r in w.requests] == pytest.approx([0.0, 2 / 3, 2.0])
+    assert [r.group for r in w.requests] == ["0", "0", "4"]
+
+
+def test_trace_window_and_explicit_block_tokens(small_trace: Path) -> None:
+    w = trace_derived(1, small_trace, n_requests=2, max_prompt_tokens=50, max_tokens_cap=8,
+                      rate_rps=1.0, vocab=VOCAB, start=2, block_tokens=32)
+    assert [r.group for r in w.requests] == ["4", "6"]
+    assert [len(r.prompt_token_ids) for r in w.requests] == [38, 7]
+    whole = trace_derived(1, small_trace, n_requests=4, max_prompt_tokens=50, max_tokens_cap=8,
+                          rate_rps=1.0, vocab=VOCAB, block_tokens=32)
+    assert w.requests[0].prompt_token_ids == whole.requests[2].prompt_token_ids
+    with pytest.raises(ValueError):
+        _trace(small_trace, n=5)
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="the shared Mooncake trace is not here")
+def test_real_trace_prompts_fit_and_keep_reuse() -> None:
+    w = trace_derived(1, TRACE, n_requests=200, max_prompt_tokens=2048, max_tokens_cap=128,
+                      rate_rps=4.0, vocab=VOCAB, start=3793, block_tokens=32)
+    assert max(len(r.prompt_token_ids) for r in w.requests) <= 2048
+    assert max(r.max_tokens for r in w.requests) <= 128
+    assert reuse_ratio(w, 32) > 0.5
+    head = trace_derived(1, TRACE, n_requests=200, max_prompt_tokens=1000, max_tokens_cap=128,
+                         rate_rps=4.0, vocab=VOCAB)
+    assert max(len(r.prompt_token_ids) for r in head.requests) <= 1000
+
+
+def test_reuse_ratio_separates_the_workloads() -> None:
+    assert reuse_ratio(_low(), 16) == 0.0
+    assert len({r.prompt_token_ids[0] for r in _low().requests}) == 64
+    # 4 first sights of 16 prefix blocks, 60 hits of 16 blocks, 1 suffix block each
+    assert reuse_ratio(_shared(), 16) == pytest.approx(60 * 16 / (64 * 17))
+    with pytest.raises(ValueError):
+        low_reuse(1, n_requests=11, prompt_tokens=4, max_tokens=1, rate_rps=1.0,
+                  vocab=Vocab(0, 10))
+
+
+def test_token_gaps_split_chunks_evenly() -> None:
+    assert token_gaps([1.0, 1.1, 1.3, 1.3, 1.6]) == pytest.approx([0.1, 0.1, 0.1, 0.3])
+    assert token_gaps([1.0, 1.0, 1.2]) == pytest.approx([0.2])
+    assert token_gaps([1.0]) == [] and token_gaps([]) == []
+
+
+def _record(sent: float, times: list[float], ok: bool = True, **kw) -> RequestRecord:
+    return RequestRecord(system="s", workload="w", request_id=f"r{sent}", ok=ok,
+                         error=None if ok else "boom", sent_s=sent,
+                         first_token_s=times[0] if times else None, token_times_s=times,
+                         prompt_tokens=10, output_tokens=len(times), **kw)
+
+
+RECORDS = [
+    _record(0.0, [0.5, 0.6, 0.7, 0.8]),  # meets both SLOs
+    _record(1.0, [3.0, 3.1]),  # TTFT 2 s: misses
+    _record(2.0, [2.2, 2.3, 2.8]),  # gaps 0.1, 0.5: p90 0.46 misses
+    _record(3.0, [3.1], ok=False),  # would meet, but failed
+]
+
+
+def test_summarize_known_values() -> None:
+    s = summarize(RECORDS, ttft_slo_s=1.0, tbt_slo_s=0.2, duration_s=10.0)
+    assert (s.n, s.ok, s.failed) == (4, 3, 1)
+    assert s.ttft_p50_s == pytest.approx(0.5)
+    assert s.ttft_p99_s == pytest.approx(0.5 + 0.98 * 1.5)  # of 0.2, 0.5, 2.0
+    assert s.tbt_p50_s == pytest.approx(0.1)
+    assert s.tbt_p99_s == pytest.approx(0.1 + 0.95 * 0.4)  # of 0.1 x5, 0.5
+    assert s.output_tok_s == pytest.approx(0.9)
+    assert s.goodput_rps == pytest.approx(0.1)
+    assert s.slo_attainment == pytest.approx(0.25)
+    json.dumps(asdict(s))
+
+
+def test_summarize_slo_filters() -> None:
+    fixed = [*RECORDS[:3], replace(RECORDS[3], ok=True, error=None)]
+    assert summarize(fixed, 1.0, 0.2, 10.0).goodput_rps == pytest.approx(0.2)
+    assert summarize(RECORDS, 2.0, 0.2, 10.0).goodput_rps == pytest.approx(0.2)
+    assert summarize(RECORDS, 2.0, 0.5, 10.0).slo_attainment == pytest.approx(0.75)
+    empty = summarize([], 1.0, 0.2, 10.0)
+    assert empty.n == 0 and math.isnan(empty.ttft_p99_s) and math.isnan(empty.slo_attainment)
+
+
+def test_ratio() -> None:
+    assert ratio(3.0, 2.0) == 1.5
+    assert ratio(1.0, 0.0) == math.inf
+    assert math.isnan(ratio(0.0, 0.0))
+
+
+def _summaries(shared: dict[str, tuple[float, float]],
+               low: dict[str, float]) -> dict[tuple[str, str], Summary]:
+    base = summarize(RECORDS, 1.0, 0.2, 10.0)
+    out = {(sys_, "shared_prefix"): replace(base, goodput_rps=g, ttft_p99_s=t)
+           for sys_, (g, t) in shared.items()}
+    out.update({(sys_, "low_reuse"): replace(base, goodput_rps=g) for sys_, g in low.items()})
+    return out
+
+
+SHARED = {"kv_centric": (3.0, 0.5), "round_robin": (1.0, 3.0), "vllm_router": (1.5, 2.0),
+          "colocated": (2.0, 1.0)}
+LINE = re.compile(r"e2e goodput_vs_rr=(\S+) goodput_vs_vllm_router=(\S+) "
+                  r"goodput_vs_colocated=(\S+) lowreuse_vs_best=(\S+) "
+                  r"ttft_p99_vs_vllm_router=(\S+) overhead_ms=(\S+) "
+                  r"vllm_router_overhead_ms=(\S+)")
+
+
+def test_summary_line_exact_format() -> None:
+    low = {"kv_centric": 1.0, "round_robin": 0.8, "vllm_router": 1.25, "colocated": 0.5}
+    line = summary_line(_summaries(SHARED, low), overhead_ms=1.234, router_overhead_ms=0.5)
+    m = LINE.fullmatch(line)
+    assert m and all(re.fullmatch(r"\d+\.\d\d", v) for v in m.groups())
+    assert line == ("e2e goodput_vs_rr=3.00 goodput_vs_vllm_router=2.00 "
+                    "goodput_vs_colocated=1.50 lowreuse_vs_best=0.80 "
+                    "ttft_p99_vs_vllm_router=4.00 overhead_ms=1.23 "
+                    "vllm_router_overhead_ms=0.50")
+
+
+def test_summary_line_when_ours_is_best_on_low_reuse() -> None:
+    low = {"kv_centric": 2.0, "round_robin": 0.8, "vllm_router": 1.25, "colocated": 0.5}
+    line = summary_line(_summaries(SHARED, low), overhead_ms=1.0, router_overhead_ms=2.0)
+    assert LINE.fullmatch(line)
+    assert "lowreuse_vs_best=1.60 " in line
+
+
+def test_markdown_table_rows() -> None:
+    low = {"kv_centric": 1.0, "round_robin": 0.8}
+    lines = markdown_table(_summaries(SHARED, low)).splitlines()
+    assert len(lines) == 2 + 4 + 2
+    assert lines[2].startswith("| shared_prefix | kv_centric | 3/4 | 500.0 | 500.0 |")
+    assert lines[-1].startswith("| low_reuse | round_robin |")
+    assert all(line.count("|") == 11 for line in lines)
+
+
+def test_plots_write_png(tmp_path: Path) -> None:
+    plot(_summaries(SHARED, {"kv_centric": 1.0, "colocated": 0.5}), tmp_path / "bars.png")
+    records = RECORDS + [replace(r, system="t") for r in RECORDS]
+    plot_cdf(records, tmp_path / "cdf.png", ttft_slo_s=1.0)
+    for name in ("bars.png", "cdf.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 1000
+    with pytest.raises(ValueError):
+        plot_cdf([*RECORDS, replace(RECORDS[0], workload="x")], tmp_path / "x.png")
