@@ -34,8 +34,9 @@ master, `ZeroCopyPool.segment_of`): in the disaggregated flow that is the prefil
 that wrote the prompt, and the continuation needs the prompt's blocks and the generated ones
 together, so the chain depends on one segment, not the dead decoder's. A prompt computed here
 (its blocks in our own segment) keeps its generated blocks here too: with us gone the prompt
-is gone as well. No configuration, no extra process, the same on loopback and across nodes;
-when that segment is full or gone, Mooncake places the blocks anywhere.
+is gone as well (so does a prompt shorter than a block, which has no block to follow). No
+configuration, no extra process, the same on loopback and across nodes; when that segment is
+full or gone, Mooncake places the blocks anywhere.
 
 The pool failing never fails a request: a save that cannot be made is skipped and counted, a
 load that cannot be made is reported to vLLM as invalid blocks, which vLLM then recomputes
