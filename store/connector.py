@@ -1,5 +1,6 @@
-"""Our vLLM KV connector: every full prompt block goes to the Mooncake Store pool, and a
-request's longest prefix present in the pool is loaded back into vLLM's paged KV cache.
+"""Our vLLM KV connector: every full block of a request (its prompt's, then those its generated
+tokens fill) goes to the Mooncake Store pool, and a request's longest prefix present in the
+pool is loaded back into vLLM's paged KV cache.
 
 Loaded by vLLM through `KVTransferConfig(kv_connector="PoolConnector",
 kv_connector_module_path="store.connector", kv_connector_extra_config={...})`; the extra
@@ -20,10 +21,28 @@ so a shared prefix is written once cluster-wide; a finished request's blocks sta
 (`request_finished` answers "delay free") until its saves are done (`get_finished`). Loads are
 synchronous, before the forward pass that needs them.
 
+Generated blocks (`save_generated`, issue 8) are what a stream that migrates after its decode
+instance died needs: the continuation's prompt is the prompt plus the tokens sent, whose chained
+hashes are those of the blocks the dead instance filled, so the new instance loads them and
+recomputes only the last partial block. A block is planned in the step whose forward pass
+writes its last token and handed to the saver after that pass (`wait_for_save`), like a prompt
+block; its hash chains on from the prompt's over `Request.all_token_ids`.
+Where they live: prompt blocks go to the writer's own segment (`prefer_local_segment`), but a
+generated block there would die with exactly the instance whose death it is for. Generated
+blocks go to the segment holding the request's last full prompt block instead (asked of the
+master, `ZeroCopyPool.segment_of`): in the disaggregated flow that is the prefill instance
+that wrote the prompt, and the continuation needs the prompt's blocks and the generated ones
+together, so the chain depends on one segment, not the dead decoder's. A prompt computed here
+(its blocks in our own segment) keeps its generated blocks here too: with us gone the prompt
+is gone as well (so does a prompt shorter than a block, which has no block to follow). No
+configuration, no extra process, the same on loopback and across nodes; when that segment is
+full or gone, Mooncake places the blocks anywhere.
+
 The pool failing never fails a request: a save that cannot be made is skipped and counted, a
 load that cannot be made is reported to vLLM as invalid blocks, which vLLM then recomputes
-(`kv_load_failure_policy="recompute"`), and counted. Counters: `KVTransfer.stats`, reported in
-every finished request's `kv_transfer_params["pool_stats"]`.
+(`kv_load_failure_policy="recompute"`), and counted. Counters: `KVTransfer.stats` (generated
+blocks written: `blocks_saved_generated`), reported in every finished request's
+`kv_transfer_params["pool_stats"]`.
 """
 
 from __future__ import annotations
@@ -43,7 +62,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from store.block_hash import block_hashes, block_key
+from store.block_hash import block_key, extend_hashes
 from store.kv_transfer import BlockLayout, KVTransfer, TransferStats, block_dim
 from store.pool import MooncakePool, PoolConfig, PoolError
 
@@ -87,6 +106,9 @@ class ConnectorSettings:
     object on the wire, then a copy into the cache. 0 (default): straight into the cache."""
     local_host: str = "127.0.0.1"
     """The address other nodes reach this engine's segment at (the worker's advertised host)."""
+    save_generated: bool = True
+    """A saving engine also saves the blocks its generated tokens fill, next to the prompt's
+    blocks (see the module docstring)."""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -196,13 +218,20 @@ class _Saver:
                     stop = True
                     break
                 jobs.extend(more)
-            seen: dict[str, int] = {}
-            for job in jobs:
+            seen: set[str] = set()
+            groups: dict[tuple[bool, str | None], dict[str, int]] = {}
+            for job in jobs:  # one save per placement
+                group = groups.setdefault((job.generated, job.near), {})
                 for key, block_id in zip(job.keys, job.block_ids, strict=True):
-                    seen.setdefault(key, block_id)
+                    if key not in seen:
+                        seen.add(key)
+                        group[key] = block_id
             dupes = sum(len(j.keys) for j in jobs) - len(seen)
             try:
-                self.transfer.save(list(seen), list(seen.values()))
+                for (generated, near), blocks in groups.items():
+                    if blocks:
+                        self.transfer.save(list(blocks), list(blocks.values()), near=near,
+                                           generated=generated)
                 self.transfer.count_deduplicated(dupes)
             except Exception:  # a bug must not kill the thread and pin blocks forever
                 log.exception("kv_save_crashed", blocks=len(seen))
@@ -228,6 +257,10 @@ class BlockTransfer:
     request_id: str
     keys: tuple[str, ...]
     block_ids: tuple[int, ...]
+    generated: bool = False
+    """Blocks holding generated tokens (saves only)."""
+    near: str | None = None
+    """Saves only: the key of a pooled block whose segment these blocks should go to."""
 
 
 @dataclass
@@ -257,9 +290,16 @@ class PoolWorkerMetadata(KVConnectorWorkerMetadata):
 class _Tracked:
     """Scheduler-side view of one request."""
 
+    request: Request
+    hashes: list[int]
+    """Chained hashes of the request's full blocks known so far: the prompt's, then those
+    its generated tokens filled (when saving them)."""
     keys: list[str]
+    prompt_blocks: int
+    """Full blocks of the prompt: `keys[:prompt_blocks]`."""
     block_ids: list[int] = field(default_factory=list)
     saved_blocks: int = 0
+    saved_generated: int = 0
     loaded_blocks: int = 0
     load_failed: int = 0
     load_from_block: int = 0
@@ -308,11 +348,26 @@ class PoolConnector(KVConnectorBase_V1):
     def _track(self, request: Request) -> _Tracked:
         tracked = self._tracked.get(request.request_id)
         if tracked is None:
-            hashes = block_hashes(request.prompt_token_ids or [], self._block_size,
-                                  request.cache_salt)
+            hashes = extend_hashes(None, request.prompt_token_ids or [], self._block_size,
+                                   request.cache_salt)
             keys = [block_key(self._settings.namespace, h) for h in hashes]
-            tracked = self._tracked[request.request_id] = _Tracked(keys=keys)
+            tracked = self._tracked[request.request_id] = _Tracked(
+                request=request, hashes=hashes, keys=keys, prompt_blocks=len(keys))
         return tracked
+
+    def _extend(self, tracked: _Tracked, done_tokens: int) -> None:
+        """Hash the blocks generated tokens filled, up to `done_tokens` and the token ids known
+        (with async scheduling the last sampled token may not be in `all_token_ids` yet)."""
+        tokens = tracked.request.all_token_ids
+        full = min(done_tokens, len(tokens)) // self._block_size
+        have = len(tracked.hashes)
+        if full <= have:
+            return
+        new = extend_hashes(tracked.hashes[-1] if tracked.hashes else None,
+                            tokens[have * self._block_size : full * self._block_size],
+                            self._block_size, tracked.request.cache_salt)
+        tracked.hashes.extend(new)
+        tracked.keys.extend(block_key(self._settings.namespace, h) for h in new)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -397,18 +452,26 @@ class PoolConnector(KVConnectorBase_V1):
     def _plan_save(
         self, meta: PoolConnectorMetadata, req_id: str, tracked: _Tracked, done_tokens: int
     ) -> None:
-        """Save the prompt's full blocks whose every token is computed by the end of this step."""
+        """Save the full blocks whose every token is computed by the end of this step: the
+        prompt's, then (`save_generated`) those generated tokens filled, near the prompt."""
+        if self._settings.save_generated:
+            self._extend(tracked, done_tokens)
         upto = min(done_tokens // self._block_size, len(tracked.keys), len(tracked.block_ids))
-        if upto <= tracked.saved_blocks:
-            return
         lo = tracked.saved_blocks
-        meta.saves.append(
-            BlockTransfer(
-                request_id=req_id,
-                keys=tuple(tracked.keys[lo:upto]),
-                block_ids=tuple(tracked.block_ids[lo:upto]),
-            )
-        )
+        if upto <= lo:
+            return
+        split = min(max(lo, tracked.prompt_blocks), upto)
+        if split > lo:
+            meta.saves.append(BlockTransfer(request_id=req_id,
+                                            keys=tuple(tracked.keys[lo:split]),
+                                            block_ids=tuple(tracked.block_ids[lo:split])))
+        if upto > split:
+            near = tracked.keys[tracked.prompt_blocks - 1] if tracked.prompt_blocks else None
+            meta.saves.append(BlockTransfer(request_id=req_id,
+                                            keys=tuple(tracked.keys[split:upto]),
+                                            block_ids=tuple(tracked.block_ids[split:upto]),
+                                            generated=True, near=near))
+            tracked.saved_generated += upto - split
         tracked.saved_blocks = upto
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -436,9 +499,10 @@ class PoolConnector(KVConnectorBase_V1):
         delay = self._saves and tracked.saved_blocks > 0
         return delay, {
             "pool_blocks_saved": tracked.saved_blocks,
+            "pool_blocks_saved_generated": tracked.saved_generated,
             "pool_blocks_loaded": tracked.loaded_blocks - tracked.load_failed,
             "pool_blocks_load_failed": tracked.load_failed,
-            "pool_block_keys": tracked.keys,
+            "pool_block_keys": tracked.keys[: tracked.prompt_blocks],
             "pool_stats": self.stats(),
         }
 

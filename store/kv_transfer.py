@@ -127,6 +127,8 @@ class TransferStats:
     save_skipped_full: int = 0
     save_failed: int = 0
     """Blocks not saved for any other reason: pool unavailable, errors."""
+    blocks_saved_generated: int = 0
+    """Of `blocks_written`, blocks of generated tokens (`KVTransfer.save(generated=True)`)."""
     save_batches: int = 0
     save_seconds: float = 0.0
     blocks_loaded: int = 0
@@ -194,27 +196,35 @@ class KVTransfer:
         """Join the pool and register the cache, if the pool can be reached now."""
         return self._pool() is not None
 
-    def save(self, keys: Sequence[str], block_ids: Sequence[int]) -> SaveResult:
-        """Write the blocks the pool does not hold yet."""
+    def save(self, keys: Sequence[str], block_ids: Sequence[int], *, near: str | None = None,
+             generated: bool = False) -> SaveResult:
+        """Write the blocks the pool does not hold yet. `near`: the key of a pooled block whose
+        segment these blocks should go to (default placement when it is not found);
+        `generated`: count them as blocks of generated tokens."""
         t0 = time.perf_counter()
         pool = self._pool()
         n = len(keys)
         if pool is None:
-            return self._count_save(SaveResult(0, 0, 0, n), 0, t0)
+            return self._count_save(SaveResult(0, 0, 0, n), 0, t0, generated)
         present = pool.exists(list(keys)) if n else []
         todo = [i for i in range(n) if not present[i]]
         if not todo:
-            return self._count_save(SaveResult(0, n, 0, 0), 0, t0)
+            return self._count_save(SaveResult(0, n, 0, 0), 0, t0, generated)
+        segment = pool.segment_of(near) if near is not None else None
         report = pool.put_from([keys[i] for i in todo],
-                               [self.layout.ranges(block_ids[i]) for i in todo])
+                               [self.layout.ranges(block_ids[i]) for i in todo], segment=segment)
         result = SaveResult(report.written, n - len(todo), report.full,
                             report.failed + report.unavailable)
-        return self._count_save(result, report.written * self.layout.block_nbytes, t0)
+        return self._count_save(result, report.written * self.layout.block_nbytes, t0,
+                                generated)
 
-    def _count_save(self, r: SaveResult, nbytes: int, t0: float) -> SaveResult:
+    def _count_save(self, r: SaveResult, nbytes: int, t0: float,
+                    generated: bool = False) -> SaveResult:
         with self._lock:
             s = self.stats
             s.blocks_written += r.written
+            if generated:
+                s.blocks_saved_generated += r.written
             s.bytes_written += nbytes
             s.blocks_deduplicated += r.deduplicated
             s.save_skipped_full += r.full

@@ -217,8 +217,16 @@ class ZeroCopyPool(KVPool, Protocol):
         """Make [addr, addr+nbytes) usable by `put_from`/`get_into`; `PoolError` on failure."""
         ...
 
-    def put_from(self, keys: Sequence[str], ranges: Sequence[Ranges]) -> PutReport:
-        """Write each key from its ranges; never raises for pool-full or unavailable."""
+    def put_from(self, keys: Sequence[str], ranges: Sequence[Ranges], *,
+                 segment: str | None = None) -> PutReport:
+        """Write each key from its ranges; never raises for pool-full or unavailable.
+        `segment`: place the objects in that segment (a name `segment_of` returned) while it
+        has room, instead of the pool's default placement."""
+        ...
+
+    def segment_of(self, key: str) -> str | None:
+        """The segment holding `key` (its first in-memory copy); None when missing or the pool
+        cannot be asked."""
         ...
 
     def get_into(self, keys: Sequence[str], ranges: Sequence[Ranges]) -> list[bool]:
@@ -792,15 +800,27 @@ class MooncakePool:
         if start < len(ranges):
             yield start, len(ranges)
 
-    def put_from(self, keys: Sequence[str], ranges: Sequence[Ranges]) -> PutReport:
+    def _placed(self, segment: str | None) -> Any:
+        """The put config placing objects in `segment` (None: the default one)."""
+        if segment is None:
+            return self._put_config
+        from mooncake.store import ReplicateConfig
+
+        config = ReplicateConfig()
+        config.preferred_segment = segment
+        return config
+
+    def put_from(self, keys: Sequence[str], ranges: Sequence[Ranges], *,
+                 segment: str | None = None) -> PutReport:
         keys, ptrs, sizes = _split_ranges(keys, ranges)
+        put_config = self._placed(segment)
         budget = self._budget_start()
         outcomes = [Outcome.UNAVAILABLE] * len(keys)
         try:
             for start, end in self._zero_copy_chunks(ranges):
                 codes = self._call(budget, self._store.batch_put_from_multi_buffers,
                                    keys[start:end], ptrs[start:end], sizes[start:end],
-                                   self._put_config)
+                                   put_config)
                 got = [classify(c) for c in codes]
                 outcomes[start:end] = got
                 if Outcome.UNAVAILABLE in got:
@@ -811,6 +831,19 @@ class MooncakePool:
         except _Down:
             pass
         return PutReport.of(outcomes)
+
+    def segment_of(self, key: str) -> str | None:
+        """From the master's replica descriptors: the transport endpoint of the first memory
+        replica, which is the name of the segment holding it."""
+        budget = self._budget_start()
+        try:
+            replicas = self._call(budget, self._store.get_replica_desc, key)
+        except _Down:
+            return None
+        for replica in replicas:
+            if replica.is_memory_replica():
+                return replica.get_memory_descriptor().buffer_descriptor.transport_endpoint
+        return None
 
     def get_into(self, keys: Sequence[str], ranges: Sequence[Ranges]) -> list[bool]:
         keys, ptrs, sizes = _split_ranges(keys, ranges)
@@ -994,11 +1027,16 @@ class InMemoryPool:
     def register_memory(self, addr: int, nbytes: int) -> None:
         self._check_open()
 
-    def put_from(self, keys: Sequence[str], ranges: Sequence[Ranges]) -> PutReport:
+    def put_from(self, keys: Sequence[str], ranges: Sequence[Ranges], *,
+                 segment: str | None = None) -> PutReport:
         keys, ptrs, sizes = _split_ranges(keys, ranges)
         values = [b"".join(ctypes.string_at(a, n) for a, n in zip(p, z, strict=True))
                   for p, z in zip(ptrs, sizes, strict=True)]
         return self.put_many(list(zip(keys, values, strict=True)))
+
+    def segment_of(self, key: str) -> str | None:
+        """One segment, "memory", for whatever it holds."""
+        return "memory" if self.exists([key])[0] else None
 
     def get_into(self, keys: Sequence[str], ranges: Sequence[Ranges]) -> list[bool]:
         keys, ptrs, sizes = _split_ranges(keys, ranges)

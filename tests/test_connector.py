@@ -188,6 +188,31 @@ def test_pool_full_skips_the_save_and_counts_it(master, client) -> None:
         pool.close()
 
 
+def test_a_save_placed_near_a_block_lands_in_its_segment(master, client) -> None:
+    """Generated blocks' placement: `near` names a key; the blocks go to the segment holding
+    it, not the writer's own (which prompt blocks prefer)."""
+    config = PoolConfig(master_addr=master.master_addr, metadata_url=master.metadata_url,
+                        segment_bytes=16 * MiB, prefer_local_segment=True)
+    writer, home = MooncakePool(config), MooncakePool(config)
+    try:
+        prefix = uuid.uuid4().hex[:8]
+        anchor, keys = f"{prefix}/anchor", [f"{prefix}/{i}" for i in range(4)]
+        layers = _cpu_layers(4, seed=5)
+        assert KVTransfer(BlockLayout.of(layers, 4), lambda: home).save([anchor], [0]).written
+        transfer = KVTransfer(BlockLayout.of(layers, 4), lambda: writer)
+        transfer.save(keys[:2], [0, 1])
+        transfer.save(keys[2:], [2, 3], near=anchor, generated=True)
+        assert [client.segment_of(k) for k in keys] == (
+            [writer.local_hostname] * 2 + [home.local_hostname] * 2)
+        assert transfer.stats.blocks_written == 4
+        assert transfer.stats.blocks_saved_generated == 2
+        assert client.segment_of(f"{prefix}/missing") is None
+        client.remove([anchor, *keys], force=True)
+    finally:
+        writer.close()
+        home.close()
+
+
 # -- engines -----------------------------------------------------------------------------------
 
 
@@ -363,6 +388,40 @@ def test_unreadable_block_falls_back_to_recompute(producer, consumer, client, na
     assert got["kv"]["pool_blocks_load_failed"] >= 1
     assert consumer.stats()["load_failed"] - before["load_failed"] >= 1
     _same(got, ref)
+
+
+@pytest.fixture
+def decoder(model_dir, master, namespace, producer) -> Iterator[_Engine]:
+    """A decode-role engine (`kv_both`), killed by its test."""
+    e = _Engine(model_dir, "kv_both", master, namespace)
+    yield e
+    e.close()
+
+
+@pytest.mark.engine
+def test_generated_blocks_outlive_their_decoder(producer, decoder, consumer, client, namespace):
+    """Issue 8: the decoder saves the blocks its tokens fill next to the prompt's (in the
+    producer's segment), is killed -9, and a fresh engine given the prompt plus the first
+    `sent` tokens loads every full block of it and continues exactly as the decoder did."""
+    prompt, sent, more = _prompt(9), 3 * BLOCK + 3, 8  # prompt: 5 blocks + 7 tokens
+    producer.run(prompt, max_tokens=1)
+    producer.stats()
+    full = decoder.run(prompt, max_tokens=sent + more)
+    assert full["cached"] == 5 * BLOCK
+    assert full["kv"]["pool_blocks_saved_generated"] == 3
+    assert decoder.stats()["blocks_saved_generated"] == 3
+    continuation = prompt + full["ids"][:sent]  # 8 full blocks + 10 tokens
+    keys = _keys(namespace, continuation)
+    assert len(keys) == 8 and all(client.exists(keys))
+    home = client.segment_of(keys[4])  # the producer's segment holds the prompt's last block
+    assert home is not None and [client.segment_of(k) for k in keys[5:]] == [home] * 3
+    for p in decoder.procs:  # its own segment dies with it
+        p.kill()
+    psutil.wait_procs(decoder.procs, timeout=10)
+    got = consumer.run(continuation, max_tokens=more)
+    assert got["cached"] == 8 * BLOCK  # only the last partial block is recomputed
+    assert got["kv"]["pool_blocks_loaded"] == 8 and got["kv"]["pool_blocks_load_failed"] == 0
+    _same(got, {"ids": full["ids"][sent:], "lps": full["lps"][sent:]})
 
 
 @pytest.mark.engine
