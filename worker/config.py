@@ -9,7 +9,9 @@ import uuid
 from dataclasses import dataclass, fields
 
 ROLES = ("prefill", "decode", "both")
-KV_ROLE = {"prefill": "kv_producer", "decode": "kv_both", "both": "kv_both"}
+KV_ROLE = {"prefill": "kv_both", "decode": "kv_both", "both": "kv_both"}
+"""Every role loads the longest pooled prefix (a prefill instance pulls what another computed:
+the point of the pool) and saves what it computed."""
 
 
 @dataclass(frozen=True)
