@@ -41,8 +41,11 @@ class WorkerSpec:
         raw["env"] = tuple(tuple(kv) for kv in raw.get("env", ()))
         return cls(**raw)
 
-    def start(self, role: str, instance_id: str, port: int = 0) -> tuple[ManagedProcess, int]:
-        """Start one worker (its engine loads in the background); returns it and its port."""
+    def start(self, role: str, instance_id: str, port: int = 0,
+              cpu_bind: str = "") -> tuple[ManagedProcess, int]:
+        """Start one worker (its engine loads in the background); returns it and its port.
+        `cpu_bind`: its engine's `VLLM_CPU_OMP_THREADS_BIND` (e.g. "0" or "2-3"; one OMP
+        thread per listed core), else the spec's env or `nobind`."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         port = port or free_port()
@@ -62,6 +65,8 @@ class WorkerSpec:
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         env.update(dict(self.env))
+        if cpu_bind:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
         proc = ManagedProcess(instance_id, argv, Path(self.run_dir) / f"{instance_id}.log",
                               env=env)
         return proc.start(), port

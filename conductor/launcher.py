@@ -51,6 +51,10 @@ class ClusterSpec:
     lease_ttl: float = 5.0
     policy: str = "kv_centric"
     worker_env: tuple[tuple[str, str], ...] = ()
+    cpu_binds: tuple[str, ...] = ()
+    """The engines' cores (`VLLM_CPU_OMP_THREADS_BIND`), given to workers in start order and
+    cycled, e.g. ("0", "1") for two single-core engines; empty: `nobind` (engines sharing
+    cores fight: each spins as many OMP threads as the machine has cores)."""
     conductor_args: tuple[str, ...] = ()
     admin_port: int = 0
     """The conductor's admin API on 127.0.0.1 (token in `<run_dir>/admin.token`); 0 picks a
@@ -142,7 +146,9 @@ class EmbeddedCluster:
         n = self._counter.get(role, 0)
         self._counter[role] = n + 1
         instance_id = f"{role}-{n}"
-        proc, port = self.worker_spec().start(role, instance_id)
+        binds = self.spec.cpu_binds
+        bind = binds[(sum(self._counter.values()) - 1) % len(binds)] if binds else ""
+        proc, port = self.worker_spec().start(role, instance_id, cpu_bind=bind)
         wp = WorkerProcess(instance_id, role, port, proc)
         self.workers[instance_id] = wp
         log.info("worker_started", instance_id=instance_id, pid=proc.pid, port=port)
