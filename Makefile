@@ -63,6 +63,14 @@ bench-kv: install
 
 bench: bench-sched bench-kv
 
+# Our conductor (kv_centric, round_robin) against vllm-router's PD mode and one colocated vLLM
+# server, on real engines and the same cores, three workloads; results in docs/e2e/ (last line:
+# summary). About 25 minutes. E2E_ARGS: e.g. --scale 0.25 --systems kv_centric,colocated.
+E2E_ARGS ?=
+.PHONY: bench-e2e
+bench-e2e: install
+	$(PY) -m benchmarks.e2e $(E2E_ARGS)
+
 # Kill workers, the store master and etcd under traffic; classify every answer against a
 # single-engine reference (docs/reliability.md; last line: summary). CHAOS_ARGS: e.g.
 # --requests 40 --faults decode,etcd.

@@ -1,0 +1,276 @@
+"""The systems `make bench-e2e` compares, each started on the same engines and core budget.
+
+- `ours(policy)`: the embedded cluster (etcd, Mooncake master, P prefill and D decode workers,
+  the conductor) with the given routing policy.
+- `vllm_router`: the Rust `vllm-router` (PyPI) in vLLM prefill/decode mode, in front of P + D
+  plain `vllm serve` OpenAI servers started with our KV connector
+  (`kv_connector_module_path=store.connector`) and a Mooncake master: how its users deploy it,
+  with its default policy (`cache_aware`).
+- `colocated`: one `vllm serve` with prefix caching, no disaggregation, holding the KV memory
+  of all P + D engines.
+
+Every engine gets the same model, block size, context and KV memory, and all of them share the
+machine's cores (nothing is pinned). Each system exposes an OpenAI base URL and, for the
+added-latency probe, a way to send a 1-token request straight to one of its engines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx
+
+from cluster.ports import free_port
+from cluster.process import ManagedProcess
+from conductor.launcher import ClusterSpec, EmbeddedCluster
+from protos import worker_pb2, worker_pb2_grpc
+from store.master import StoreMaster
+from worker.engine import kv_namespace
+
+
+@dataclass(frozen=True)
+class Engines:
+    """What every system runs on."""
+
+    model: str
+    prefill: int = 2
+    decode: int = 1
+    block_size: int = 32
+    max_model_len: int = 4096
+    dtype: str = "float32"
+    kv_cache_bytes: int = 512 << 20
+    pool_segment_bytes: int = 1 << 30
+    max_num_seqs: int = 64
+    cores: int = os.cpu_count() or 1
+
+    @property
+    def binds(self) -> tuple[str, ...]:
+        """One core per disaggregated engine (prefills first, then decodes, cycling over the
+        cores): engines sharing cores with `nobind` each spin an OMP thread per core and
+        thrash (measured here: a 768-token prefill 10x slower with three such engines)."""
+        return tuple(str(i % self.cores) for i in range(self.prefill + self.decode))
+
+    @property
+    def all_cores(self) -> str:
+        return f"0-{self.cores - 1}" if self.cores > 1 else "0"
+
+    @property
+    def served_name(self) -> str:
+        return os.path.basename(self.model.rstrip("/"))
+
+
+@dataclass
+class Running:
+    """A started system: where to send requests, how to probe an engine directly, how to stop."""
+
+    name: str
+    url: str
+    model: str
+    stop: Callable[[], None]
+    direct: Callable[[str], float] | None = None
+    """Send a 1-token greedy request for this prompt straight to an engine; its seconds."""
+    logs: Path | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _wait_http(url: str, procs: list[ManagedProcess], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            if not p.alive():
+                raise RuntimeError(f"{p.name} exited while starting {what}:\n{p.tail(30)}")
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{what} not ready after {timeout:.0f}s ({url})")
+
+
+def _engine_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    return env
+
+
+# --------------------------------------------------------------------------- ours
+
+
+def ours(policy: str, e: Engines, run_dir: Path, ttft_slo_s: float, tbt_slo_s: float) -> Running:
+    spec = ClusterSpec(model=e.model, prefill=e.prefill, decode=e.decode, http_port=0,
+                       run_dir=str(run_dir), block_size=e.block_size,
+                       max_model_len=e.max_model_len, dtype=e.dtype,
+                       kv_cache_bytes=e.kv_cache_bytes, pool_segment_bytes=e.pool_segment_bytes,
+                       policy=policy, cpu_binds=e.binds,
+                       conductor_args=("--ttft-slo-s", str(ttft_slo_s),
+                                       "--tbt-slo-s", str(tbt_slo_s)))
+    c = EmbeddedCluster(spec).start(timeout=600)
+    try:
+        _wait_instances(c, e.prefill + e.decode, 600)
+    except BaseException:
+        c.stop()
+        raise
+    decode = next(w for w in c.workers.values() if w.role == "decode")
+    channel = grpc.insecure_channel(decode.address)
+    stub = worker_pb2_grpc.WorkerStub(channel)
+    tok = _tokenizer(e.model)
+
+    def direct(prompt: str) -> float:
+        ids = tok.encode(prompt)
+        req = worker_pb2.GenerateRequest(
+            request_id=f"direct-{time.monotonic_ns()}", token_ids=ids,
+            params=worker_pb2.SamplingParams(max_tokens=1, temperature=0.0))
+        t0 = time.perf_counter()
+        for _ in stub.Generate(req, timeout=60):
+            pass
+        return time.perf_counter() - t0
+
+    def stop() -> None:
+        channel.close()
+        c.stop()
+
+    return Running(policy, c.url, e.served_name, stop, direct, Path(c.run_dir),
+                   {"admin_addr": c.admin_addr})
+
+
+def _wait_instances(c: EmbeddedCluster, n: int, timeout: float) -> None:
+    """Until `n` instances serve (the conductor's /health needs only one of each role)."""
+    from protos import admin_pb2, admin_pb2_grpc
+
+    md = (("authorization", f"Bearer {c.token_file.read_text().strip()}"),)
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(c.admin_addr) as ch:
+        stub = admin_pb2_grpc.AdminStub(ch)
+        while time.monotonic() < deadline:
+            reply = stub.ListInstances(admin_pb2.ListInstancesRequest(), metadata=md, timeout=10)
+            if sum(i.state == "serving" for i in reply.instances) >= n:
+                return
+            time.sleep(1.0)
+    raise TimeoutError(f"{n} instances not ready after {timeout:.0f}s (logs in {c.run_dir})")
+
+
+def _tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+# --------------------------------------------------------------------------- vLLM servers
+
+
+def _vllm_serve(name: str, e: Engines, run_dir: Path, kv_cache_bytes: int,
+                connector: dict | None, cores: str) -> tuple[ManagedProcess, str]:
+    port = free_port()
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", e.model, "--served-model-name", e.served_name,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", e.dtype, "--block-size", str(e.block_size),
+            "--max-model-len", str(e.max_model_len),
+            "--kv-cache-memory-bytes", str(kv_cache_bytes),
+            "--max-num-seqs", str(e.max_num_seqs),
+            "--enable-prefix-caching"]
+    if connector is not None:
+        argv += ["--kv-transfer-config", json.dumps(connector)]
+    env = {**_engine_env(), "VLLM_CPU_OMP_THREADS_BIND": cores}
+    proc = ManagedProcess(name, argv, run_dir / f"{name}.log", env=env,
+                          cwd=str(Path(__file__).resolve().parents[2])).start()
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _stop_all(procs: list[ManagedProcess], master: StoreMaster | None = None) -> None:
+    for p in reversed(procs):
+        try:
+            p.stop(timeout=20.0)
+        except Exception:  # stop the rest whatever one does
+            p.kill()
+    if master is not None:
+        master.stop()
+
+
+def _http_direct(url: str, model: str) -> Callable[[str], float]:
+    client = httpx.Client(timeout=60)
+
+    def direct(prompt: str) -> float:
+        t0 = time.perf_counter()
+        r = client.post(f"{url}/v1/completions", json={
+            "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0})
+        r.raise_for_status()
+        return time.perf_counter() - t0
+    return direct
+
+
+def vllm_router(e: Engines, run_dir: Path) -> Running:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    master = StoreMaster(log_path=run_dir / "mooncake_master.log").start()
+    procs: list[ManagedProcess] = []
+    try:
+        def connector(role: str) -> dict:
+            return {"kv_connector": "PoolConnector", "kv_connector_module_path": "store.connector",
+                    "kv_role": role, "kv_load_failure_policy": "recompute",
+                    "kv_connector_extra_config": {
+                        "master_addr": master.master_addr, "metadata_url": master.metadata_url,
+                        "namespace": kv_namespace(e.model, e.block_size, e.dtype),
+                        "segment_bytes": e.pool_segment_bytes, "local_host": "127.0.0.1"}}
+        prefills, decodes = [], []
+        for i in range(e.prefill):
+            p, url = _vllm_serve(f"vllm-prefill-{i}", e, run_dir, e.kv_cache_bytes,
+                                 connector("kv_both"), e.binds[i])
+            procs.append(p)
+            prefills.append(url)
+        for i in range(e.decode):
+            p, url = _vllm_serve(f"vllm-decode-{i}", e, run_dir, e.kv_cache_bytes,
+                                 connector("kv_both"), e.binds[e.prefill + i])
+            procs.append(p)
+            decodes.append(url)
+        for url in prefills + decodes:
+            _wait_http(f"{url}/health", procs, 600, "a vLLM server")
+        port = free_port()
+        argv = [sys.executable, "-m", "vllm_router.launch_router",
+                "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation"]
+        for url in prefills:
+            argv += ["--prefill", url]
+        for url in decodes:
+            argv += ["--decode", url]
+        router = ManagedProcess("vllm-router", argv, run_dir / "vllm-router.log").start()
+        procs.append(router)
+        url = f"http://127.0.0.1:{port}"
+        _wait_http(f"{url}/health", procs, 120, "vllm-router")
+    except BaseException:
+        _stop_all(procs, master)
+        raise
+    return Running("vllm_router", url, e.served_name, lambda: _stop_all(procs, master),
+                   _http_direct(decodes[0], e.served_name), run_dir)
+
+
+def colocated(e: Engines, run_dir: Path) -> Running:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    kv = e.kv_cache_bytes * (e.prefill + e.decode)
+    p, url = _vllm_serve("vllm-colocated", e, run_dir, kv, None, e.all_cores)
+    try:
+        _wait_http(f"{url}/health", [p], 600, "the colocated vLLM server")
+    except BaseException:
+        _stop_all([p])
+        raise
+    return Running("colocated", url, e.served_name, lambda: _stop_all([p]), None, run_dir)
+
+
+SYSTEMS = ("kv_centric", "round_robin", "vllm_router", "colocated")
+
+
+def start(name: str, e: Engines, run_dir: Path, ttft_slo_s: float, tbt_slo_s: float) -> Running:
+    if name in ("kv_centric", "round_robin"):
+        return ours(name, e, run_dir, ttft_slo_s, tbt_slo_s)
+    if name == "vllm_router":
+        return vllm_router(e, run_dir)
+    if name == "colocated":
+        return colocated(e, run_dir)
+    raise ValueError(f"unknown system {name!r}; one of {SYSTEMS}")
