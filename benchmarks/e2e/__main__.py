@@ -137,7 +137,9 @@ def _prewarm(run: systems.Running, tok, vocab: workloads.Vocab, ns: tuple[int, .
                             t0 = time.perf_counter()
                             r = await c.post(f"{run.url}/v1/completions", json={
                                 "model": run.model, "prompt": p, "max_tokens": 8,
-                                "temperature": 0, "ignore_eos": True})
+                                "temperature": 0, "ignore_eos": True,
+                                # a cost experiment: nothing may be refused for its SLO
+                                "ttft_slo_ms": 600_000, "tbt_slo_ms": 60_000})
                             r.raise_for_status()
                             return time.perf_counter() - t0
                     return list(await asyncio.gather(*(one(p) for p in prompts)))
