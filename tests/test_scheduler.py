@@ -439,6 +439,23 @@ def test_prefill_model_keeps_its_prior_until_observed():
     assert fit.model == prior
 
 
+def test_a_model_fitted_to_a_slow_moment_returns_to_its_prior_without_new_timings():
+    """Rejected requests bring no timings: without forgetting, a model fitted while the machine
+    was slow would make the scheduler refuse everything for good."""
+    prior = PrefillTimeModel(0.01, 1e-4, 1e-8)
+    fit = PrefillTimeFitter(prior)
+    for u in (100, 500, 1000, 300):
+        fit.observe(u, 0, 100 * prior.predict(u, 0), now=0.0)
+    slow = fit.model.predict(2000, 0)
+    assert slow > 20 * prior.predict(2000, 0)
+    fit.refresh(2.0)  # too soon to refit
+    assert fit.model.predict(2000, 0) == slow
+    fit.refresh(120.0)  # two half-lives: still mostly the slow timings
+    assert fit.model.predict(2000, 0) > 5 * prior.predict(2000, 0)
+    fit.refresh(30 * 60.0)
+    assert fit.model.predict(2000, 0) == pytest.approx(prior.predict(2000, 0), rel=0.2)
+
+
 def test_tbt_model_refits():
     truth = TbtModel(0.004, 0.002, 1e-6)
     fit = TbtFitter(TbtModel(0.01, 0.001, 1e-7))

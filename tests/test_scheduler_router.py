@@ -102,6 +102,23 @@ async def test_a_prefill_reply_corrects_what_the_index_believes_of_the_pool(mode
     await registry.close()
 
 
+async def test_an_engines_first_prefill_is_not_timed_its_second_is(model_dir):
+    """A fresh engine's first prefill pays its warm-up (2 s for 66 tokens was seen here): timed,
+    it made the model predict minutes for a 2K-token prompt, and every request was refused."""
+    router, registry = await _router(model_dir)
+    before = router.prefill_fit.model
+    for i, seconds in enumerate((2.0, 0.05)):
+        tokens = list(range(i * 1000, i * 1000 + 66))
+        dispatch = router.route(f"r{i}", tokens, tuple(block_hashes(tokens, BS)), 4, BS,
+                                exclude={"p1"})
+        dispatch.prefill_done(66, 0, 2, seconds)
+        dispatch.release()
+        assert router.prefill_fit.observations == i
+    assert router.prefill_fit.model != before
+    assert router.prefill_fit.model.predict(66, 0) < 0.5
+    await registry.close()
+
+
 async def test_the_snapshot_follows_dispatches_and_drains(model_dir):
     router, registry = await _router(model_dir)
     tokens = list(range(1000))

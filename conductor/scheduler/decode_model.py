@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from conductor.scheduler.regression import Observations
+from conductor.scheduler.regression import Fitter
 
 
 @dataclass(frozen=True)
@@ -26,20 +26,12 @@ class TbtModel:
         return (self.base_s, self.per_seq_s, self.per_kv_token_s)
 
 
-class TbtFitter:
+class TbtFitter(Fitter[TbtModel]):
     def __init__(self, prior: TbtModel | None = None, capacity: int = 256, every: int = 4) -> None:
-        self.prior = prior or TbtModel()
-        self.model = self.prior
-        self._obs = Observations(capacity)
-        self._every = every
+        super().__init__(prior or TbtModel(), TbtModel, capacity, every)
 
-    def observe(self, running: float, kv_tokens: float, tbt_s: float) -> None:
+    def observe(self, running: float, kv_tokens: float, tbt_s: float,
+                now: float | None = None) -> None:
         if running <= 0 or tbt_s <= 0:
             return
-        self._obs.add((1.0, float(running), float(kv_tokens)), tbt_s)
-        if self._obs.added % self._every == 0 or self._obs.added <= 2:
-            self.model = TbtModel(*self._obs.fit(self.prior.coefficients()))
-
-    @property
-    def observations(self) -> int:
-        return self._obs.added
+        self.add((1.0, float(running), float(kv_tokens)), tbt_s, now)

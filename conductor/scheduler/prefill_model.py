@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from conductor.scheduler.regression import Observations
+from conductor.scheduler.regression import Fitter
 
 
 @dataclass(frozen=True)
@@ -32,17 +32,15 @@ def features(uncached: int, cached: int) -> tuple[float, float, float]:
     return (1.0, float(uncached), uncached * (cached + uncached / 2))
 
 
-class PrefillTimeFitter:
-    """Collects (uncached, cached, seconds) observations and refits every `every` of them."""
+class PrefillTimeFitter(Fitter[PrefillTimeModel]):
+    """Collects (uncached, cached, seconds) observations (see `Fitter`)."""
 
     def __init__(self, prior: PrefillTimeModel | None = None, capacity: int = 256,
                  every: int = 4) -> None:
-        self.prior = prior or PrefillTimeModel()
-        self.model = self.prior
-        self._obs = Observations(capacity)
-        self._every = every
+        super().__init__(prior or PrefillTimeModel(), PrefillTimeModel, capacity, every)
 
-    def observe(self, uncached: int, cached: int, seconds: float, exact: bool = True) -> None:
+    def observe(self, uncached: int, cached: int, seconds: float, exact: bool = True,
+                now: float | None = None) -> None:
         """One timing; `exact=False` for an inter-departure estimate, which batched
         completions can make arbitrarily short: those under a quarter of the current
         prediction are dropped."""
@@ -50,10 +48,4 @@ class PrefillTimeFitter:
             return
         if not exact and seconds < 0.25 * self.model.predict(uncached, cached):
             return
-        self._obs.add(features(uncached, cached), seconds)
-        if self._obs.added % self._every == 0 or self._obs.added <= 2:
-            self.model = PrefillTimeModel(*self._obs.fit(self.prior.coefficients()))
-
-    @property
-    def observations(self) -> int:
-        return self._obs.added
+        self.add(features(uncached, cached), seconds, now)

@@ -3,43 +3,98 @@
 The prior (the model the conductor starts with) acts as `prior_weight` pseudo-observations,
 so a handful of noisy timings nudges the model instead of replacing it, and features that
 the observations do not exercise keep their prior value.
+
+Observations age: each weighs half as much every `half_life_s`, so the model follows a machine
+whose speed drifts and, without new timings, drifts back to the prior. That matters because a
+model fitted to a slow moment makes the scheduler reject everything, and rejected requests
+bring no timings to correct it: without forgetting, the conductor would refuse traffic for good.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
+HALF_LIFE_S = 60.0
+
 
 class Observations:
-    """The last `capacity` (features, seconds) pairs: memory is bounded."""
+    """The last `capacity` (features, seconds, when) rows: memory is bounded."""
 
-    def __init__(self, capacity: int = 256) -> None:
-        self._rows: deque[tuple[tuple[float, ...], float]] = deque(maxlen=capacity)
+    def __init__(self, capacity: int = 256, half_life_s: float = HALF_LIFE_S) -> None:
+        self._rows: deque[tuple[tuple[float, ...], float, float]] = deque(maxlen=capacity)
         self.added = 0
+        self.half_life_s = half_life_s
 
-    def add(self, features: Sequence[float], seconds: float) -> None:
-        self._rows.append((tuple(features), seconds))
+    def add(self, features: Sequence[float], seconds: float, at: float) -> None:
+        self._rows.append((tuple(features), seconds, at))
         self.added += 1
 
     def __len__(self) -> int:
         return len(self._rows)
 
-    def fit(self, prior: Sequence[float], prior_weight: float = 0.25) -> tuple[float, ...]:
-        """Coefficients c >= 0 minimising the squared relative error of the observations plus
-        `prior_weight` times the squared relative pull of each term away from the prior's.
-        Solved for the deviation from the prior, so unexercised features keep the prior."""
+    def fit(self, prior: Sequence[float], now: float,
+            prior_weight: float = 0.25) -> tuple[float, ...]:
+        """Coefficients c >= 0 minimising the squared relative error of the observations, each
+        weighted by its age at `now`, plus `prior_weight` times the squared relative pull of
+        each term away from the prior's. Solved for the deviation from the prior, so
+        unexercised features keep the prior."""
         p = np.asarray(prior, dtype=float)
         if not self._rows:
             return tuple(float(c) for c in p)
         x = np.array([r[0] for r in self._rows], dtype=float)
         y = np.array([r[1] for r in self._rows], dtype=float)
-        w = 1.0 / np.maximum(y, 1e-6)
+        age = np.maximum(now - np.array([r[2] for r in self._rows], dtype=float), 0.0)
+        w = np.sqrt(0.5 ** (age / self.half_life_s)) / np.maximum(y, 1e-6)
         # a term's typical share of a timing: how strongly the prior holds it
         share = np.abs(x).mean(axis=0) / max(float(y.mean()), 1e-6)
         a = np.vstack([x * w[:, None], np.sqrt(prior_weight) * np.diag(share)])
         b = np.concatenate([(y - x @ p) * w, np.zeros(len(p))])
         dev, *_ = np.linalg.lstsq(a, b, rcond=None)
         return tuple(float(c) for c in np.maximum(p + dev, 0.0))
+
+
+class _Model(Protocol):
+    def coefficients(self) -> tuple[float, ...]: ...
+
+
+M = TypeVar("M", bound=_Model)
+
+REFRESH_S = 5.0
+
+
+class Fitter(Generic[M]):
+    """A time model refitted from its observations: every `every` of them (at once for the
+    first two) and, as they age, at least every `REFRESH_S` through `refresh`."""
+
+    def __init__(self, prior: M, make: Callable[..., M], capacity: int = 256,
+                 every: int = 4) -> None:
+        self.prior = prior
+        self.model = prior
+        self._make = make
+        self._obs = Observations(capacity)
+        self._every = every
+        self._fitted_at = 0.0
+
+    @property
+    def observations(self) -> int:
+        return self._obs.added
+
+    def add(self, features: Sequence[float], seconds: float, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self._obs.add(features, seconds, now)
+        if self._obs.added % self._every == 0 or self._obs.added <= 2:
+            self._refit(now)
+
+    def refresh(self, now: float) -> None:
+        """Refit for the observations' ages (a model nothing new confirms returns to the prior)."""
+        if self._obs.added and now - self._fitted_at >= REFRESH_S:
+            self._refit(now)
+
+    def _refit(self, now: float) -> None:
+        self.model = self._make(*self._obs.fit(self.prior.coefficients(), now))
+        self._fitted_at = now

@@ -62,6 +62,8 @@ class Router:
         self.index = KVIndex(config.index_max_blocks, config.predicted_ttl_s)
         self.prefill_fit = PrefillTimeFitter()
         self.tbt_fit = TbtFitter()
+        self.warm: set[str] = set()
+        """Prefill instances whose first prefill completed: that one is not timed."""
         self.counters = Counters()
         self._block_bytes = block_bytes
         self._base = SchedulerParams(ttft_slo_s=config.ttft_slo_s, tbt_slo_s=config.tbt_slo_s,
@@ -115,6 +117,8 @@ class Router:
         return p
 
     def snapshot(self, now: float, block_size: int) -> ClusterSnapshot:
+        self.prefill_fit.refresh(now)
+        self.tbt_fit.refresh(now)
         self.registry.mark_changed(self.index.take_changed())
         return self.registry.snapshot(now, self.params(block_size), self.index.blocks)
 
@@ -223,8 +227,13 @@ class Dispatch:
         idx.truncate(POOL, self.block_hashes, blocks_in_pool)
         self.router.counters.reported_hit_tokens += num_cached_tokens
         self.router.counters.reported_prompt_tokens += num_prompt_tokens
-        self.router.prefill_fit.observe(num_prompt_tokens - num_cached_tokens, num_cached_tokens,
-                                        engine_seconds if solo else service, exact=solo)
+        if self.prefill.instance_id in self.router.warm:
+            self.router.prefill_fit.observe(num_prompt_tokens - num_cached_tokens,
+                                            num_cached_tokens,
+                                            engine_seconds if solo else service, exact=solo,
+                                            now=now)
+        else:  # an engine's first prefill pays its warm-up (seconds for a few tokens here)
+            self.router.warm.add(self.prefill.instance_id)
 
     def first_token(self) -> None:
         now = time.monotonic()
