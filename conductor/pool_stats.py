@@ -4,6 +4,10 @@ Every instance's `Stats` RPC is polled every `interval_s` (`PoolStatsPoller`); t
 `pool` (the engine's KV connector counters, cumulative) is kept, and `PoolCollector` turns the
 latest ones into Prometheus metrics at scrape time. A scrape never calls a worker: a slow or
 dead one only leaves its last figures in place until it leaves membership.
+
+The figures are as fresh as the last request that finished in each engine: a request carries
+the counters out when it finishes, before its own background saves are done, so a prefill
+instance's saves are counted once the next request finished there.
 """
 
 from __future__ import annotations
