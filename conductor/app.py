@@ -43,6 +43,7 @@ from conductor.errors import (
 from conductor.health import HealthChecker
 from conductor.metrics import CLIENT_CLOSED, CONTENT_TYPE, Metrics, RequestTimer
 from conductor.pipeline import Delta, Outcome, Pipeline
+from conductor.pool_stats import PoolStatsPoller
 from conductor.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -83,7 +84,9 @@ class Conductor:
         self.chat_template = ChatTemplate(self.tokenizer.hf)
         self.defaults = ModelDefaults.load(config.model)
         self.pipeline = Pipeline(config, self.registry, self.tokenizer)
-        self.metrics = Metrics(self.registry.views)
+        self.pool_stats: PoolStatsPoller | None = None
+        self.metrics = Metrics(self.registry.views,
+                               lambda: self.pool_stats.latest if self.pool_stats else {})
         self.pipeline.metrics = self.metrics
         make = membership or (lambda on_change: MembershipWatcher(
             config.etcd, prefix=config.membership_prefix, on_change=on_change))
@@ -102,6 +105,7 @@ class Conductor:
 
     async def start(self) -> None:
         self.health = HealthChecker(self.registry, self.config.health_interval_s)
+        self.pool_stats = PoolStatsPoller(self.registry, self.config.stats_interval_s)
         await self.watcher.start()
         self.registry.sync(self.watcher.members())
         if self.config.pool_keys_url:
@@ -122,6 +126,8 @@ class Conductor:
         await self.watcher.close()
         if self.health is not None:
             await self.health.close()
+        if self.pool_stats is not None:
+            await self.pool_stats.close()
         await self.registry.close()
         await self.provisioner.close()
 

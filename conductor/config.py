@@ -73,6 +73,8 @@ class ConductorConfig:
     health_interval_s: float = 1.0
     """Each instance's gRPC health service is checked this often; one that does not answer
     SERVING within the interval is taken out of routing until it does."""
+    stats_interval_s: float = 5.0
+    """Each instance's `Stats` are polled this often for the pool metrics on /metrics."""
     api_key: str = ""
     """When set, /v1 routes need `Authorization: Bearer <api_key>` (401 otherwise); /health,
     /metrics and the OpenAPI description stay open. Empty: no key."""
@@ -87,7 +89,7 @@ class ConductorConfig:
         for name in ("prefill_timeout_s", "first_token_timeout_s", "request_timeout_s",
                      "ttft_slo_s", "tbt_slo_s", "pool_gbps", "index_max_blocks",
                      "predicted_ttl_s", "health_interval_s", "breaker_cooldown_s",
-                     "pool_sync_s",
+                     "pool_sync_s", "stats_interval_s",
                      "max_in_flight"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")

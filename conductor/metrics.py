@@ -3,18 +3,21 @@
 Per request: a few counter increments and histogram observations, and one observation per
 streamed chunk. Per-instance load and the cache hit ratios are computed at scrape time.
 Retries and fall-backs are counted by whoever performs them: `Metrics.retry(stage)` and
-`Metrics.fallback(kind)`.
+`Metrics.fallback(kind)`. The pool's transfer counters per instance come from the workers
+(`conductor.pool_stats`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from conductor.pool_stats import PoolCollector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 CLIENT_CLOSED = "499"
@@ -27,8 +30,10 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.0
 
 
 class Metrics:
-    def __init__(self, instances: Callable[[], Iterable[Any]] = tuple) -> None:
-        """`instances` returns the current instances' loads (`snapshot.InstanceLoad`s)."""
+    def __init__(self, instances: Callable[[], Iterable[Any]] = tuple,
+                 pool: Callable[[], Mapping[str, Any]] = dict) -> None:
+        """`instances` returns the current instances' loads (`snapshot.InstanceLoad`s), `pool`
+        each instance's latest `worker_pb2.PoolStats` (`PoolStatsPoller.latest`)."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("kvcluster_requests", "Requests answered, by endpoint and HTTP "
@@ -62,6 +67,7 @@ class Metrics:
                                         registry=r)
         self.totals = {"prompt": 0, "local": 0, "pool": 0}
         r.register(_ClusterCollector(instances, self.totals))
+        r.register(PoolCollector(pool))
 
     def retry(self, stage: str) -> None:
         self.retries_total.labels(stage).inc()

@@ -42,7 +42,8 @@ The pool failing never fails a request: a save that cannot be made is skipped an
 load that cannot be made is reported to vLLM as invalid blocks, which vLLM then recomputes
 (`kv_load_failure_policy="recompute"`), and counted. Counters: `KVTransfer.stats` (generated
 blocks written: `blocks_saved_generated`), reported in every finished request's
-`kv_transfer_params["pool_stats"]`.
+`kv_transfer_params["pool_stats"]` (the worker serves the newest in its `Stats` RPC, the
+conductor exposes them on /metrics: `conductor/pool_stats.py`).
 """
 
 from __future__ import annotations

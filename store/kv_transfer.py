@@ -8,11 +8,12 @@ counts what happened (`TransferStats`).
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import structlog
@@ -116,9 +117,26 @@ def _merge(spans: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+LATENCY_BOUNDS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+"""Upper bounds of the save and load batch latency buckets (`TransferStats.*_buckets`)."""
+
+
+def _no_buckets() -> tuple[int, ...]:
+    return (0,) * (len(LATENCY_BOUNDS_S) + 1)
+
+
+def _bucketed(buckets: tuple[int, ...], seconds: float) -> tuple[int, ...]:
+    i = bisect.bisect_left(LATENCY_BOUNDS_S, seconds)
+    return buckets[:i] + (buckets[i] + 1,) + buckets[i + 1:]
+
+
 @dataclass
 class TransferStats:
-    """Cumulative counters of one process's KV transfers (blocks, bytes, seconds)."""
+    """Cumulative counters of one process's KV transfers (blocks, bytes, seconds).
+
+    The `*_buckets` count batches by latency: entry i those taking at most
+    `LATENCY_BOUNDS_S[i]` (and more than the bound before), the last one those above every
+    bound; not cumulative, so that `add` sums them element by element."""
 
     blocks_written: int = 0
     bytes_written: int = 0
@@ -131,15 +149,23 @@ class TransferStats:
     """Of `blocks_written`, blocks of generated tokens (`KVTransfer.save(generated=True)`)."""
     save_batches: int = 0
     save_seconds: float = 0.0
+    save_buckets: tuple[int, ...] = field(default_factory=_no_buckets)
     blocks_loaded: int = 0
     bytes_loaded: int = 0
     load_failed: int = 0
     """Blocks whose load failed after the lookup promised them: vLLM recomputes them."""
     load_batches: int = 0
     load_seconds: float = 0.0
+    load_buckets: tuple[int, ...] = field(default_factory=_no_buckets)
 
     def add(self, other: TransferStats) -> TransferStats:
-        return TransferStats(**{k: v + getattr(other, k) for k, v in asdict(self).items()})
+        return TransferStats(**{k: _plus(v, getattr(other, k)) for k, v in asdict(self).items()})
+
+
+def _plus(a: float | tuple[int, ...], b: float | tuple[int, ...]) -> float | tuple[int, ...]:
+    if isinstance(a, tuple):
+        return tuple(x + y for x, y in zip(a, b, strict=True))
+    return a + b
 
 
 @dataclass(frozen=True)
@@ -230,7 +256,9 @@ class KVTransfer:
             s.save_skipped_full += r.full
             s.save_failed += r.failed
             s.save_batches += 1
-            s.save_seconds += time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            s.save_seconds += seconds
+            s.save_buckets = _bucketed(s.save_buckets, seconds)
         return r
 
     def load(self, keys: Sequence[str], block_ids: Sequence[int]) -> list[bool]:
@@ -245,13 +273,15 @@ class KVTransfer:
         else:
             ok = pool.get_into(list(keys), [self.layout.ranges(b) for b in block_ids])
         loaded = sum(ok)
+        seconds = time.perf_counter() - t0
         with self._lock:
             s = self.stats
             s.blocks_loaded += loaded
             s.bytes_loaded += loaded * self.layout.block_nbytes
             s.load_failed += len(ok) - loaded
             s.load_batches += 1
-            s.load_seconds += time.perf_counter() - t0
+            s.load_seconds += seconds
+            s.load_buckets = _bucketed(s.load_buckets, seconds)
         return ok
 
     def _load_staged(self, pool: ZeroCopyPool, keys: Sequence[str],

@@ -37,6 +37,10 @@ class Knobs:
     continue_sequence: bool = False
     """Generate `t<k>` tokens k = last prompt token + 1, + 2, ... (like a greedy model, a
     stream continued from prompt + output goes on where it broke) instead of w0, w1, ..."""
+    pool: worker_pb2.PoolStats | None = None
+    """What `Stats` reports of the pool connector (unset: no request finished yet)."""
+    stats_delay_s: float = 0.0
+    """`Stats` answers after this long (a hung worker)."""
 
 
 @dataclass
@@ -131,8 +135,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.AbortReply(found=False)
 
     async def Stats(self, request, context):
+        await asyncio.sleep(self.knobs.stats_delay_s)
         return worker_pb2.WorkerStats(running=self.counts.running,
-                                      aborted_total=self.counts.aborted)
+                                      aborted_total=self.counts.aborted, pool=self.knobs.pool)
 
     async def Retire(self, request, context):
         self.counts.retired += 1

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 
 import grpc
 import httpx
 import pytest
 import torch
 from conftest import BLOCK_SIZE, DTYPE, LEASE_TTL, MAX_TOKENS
+from prometheus_client.parser import text_string_to_metric_families
 
 from protos import worker_pb2, worker_pb2_grpc
 from store.block_hash import block_hashes, block_key
@@ -127,6 +129,48 @@ def test_negative_control_corrupted_pool_blocks_are_detected(
                                                   between=corrupt)
     assert first.num_cached_tokens == loadable * BLOCK_SIZE  # the corrupt blocks were loaded
     assert differs(ids, lps, reference["control_corrupt"])
+
+
+def _pool_metric(cluster, name: str, **labels: str) -> float:
+    text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    return next((s.value for f in text_string_to_metric_families(text) for s in f.samples
+                 if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())),
+                0.0)
+
+
+def test_pool_counters_reach_the_conductors_metrics(cluster):
+    """The prefill engine's saves and the decode engine's loads appear per instance in the
+    conductor's /metrics (polled from the workers' Stats, every 5 s). A request's counters
+    leave the engine with it, before its own background saves are done: those are counted
+    with the next request on that engine, hence two requests."""
+    role = {w.role: iid for iid, w in cluster.workers.items()}
+    blocks = "kvcluster_pool_blocks_total"
+    saved0 = _pool_metric(cluster, blocks, instance=role["prefill"], kind="saved")
+    loaded0 = _pool_metric(cluster, blocks, instance=role["decode"], kind="loaded")
+    kvs = []
+    for _ in range(2):
+        prompt = f"{uuid.uuid4().hex} " + "Seven gulls circled the harbour wall while the " \
+                 "ferry waited for the tide and the baker sold the last bread. " * 5
+        r = httpx.post(f"{cluster.url}/v1/completions", timeout=120, json={
+            "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        kvs.append(r.json()["kv_transfer"])
+    assert kvs[0]["blocks_saved"] >= 3 and kvs[0]["blocks_loaded"] >= 2, kvs
+    want_saved = saved0 + kvs[0]["blocks_saved"]
+    want_loaded = loaded0 + kvs[0]["blocks_loaded"] + kvs[1]["blocks_loaded"]
+    t0 = time.monotonic()
+    while True:
+        saved = _pool_metric(cluster, blocks, instance=role["prefill"], kind="saved")
+        loaded = _pool_metric(cluster, blocks, instance=role["decode"], kind="loaded")
+        if saved >= want_saved and loaded >= want_loaded:
+            break
+        assert time.monotonic() - t0 < 15, (saved, want_saved, loaded, want_loaded)
+        time.sleep(0.5)
+    seconds = "kvcluster_pool_transfer_seconds_count"
+    assert _pool_metric(cluster, seconds, instance=role["prefill"], direction="save") > 0
+    assert _pool_metric(cluster, seconds, instance=role["decode"], direction="load") > 0
+    assert _pool_metric(cluster, "kvcluster_pool_bytes_total", instance=role["decode"],
+                        direction="load") > 0
 
 
 def test_stopped_decode_worker_leaves_within_lease_ttl_then_503(cluster):

@@ -31,6 +31,8 @@ class PrefillResult:
     blocks_saved: int
     block_keys: tuple[str, ...]
     engine_seconds: float
+    pool_stats: dict | None = None
+    """The connector's cumulative counters the request carried out (`kv_transfer_params`)."""
 
 
 class Engine:
@@ -126,6 +128,7 @@ class Engine:
             blocks_saved=int(ktp.get("pool_blocks_saved", 0)),
             block_keys=tuple(ktp.get("pool_block_keys", ())),
             engine_seconds=time.perf_counter() - t0,
+            pool_stats=ktp.get("pool_stats"),
         )
 
     def generate(self, request_id: str, token_ids: list[int], params, cache_salt: str

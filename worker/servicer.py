@@ -95,6 +95,27 @@ def _finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
 
 
+def _progress(stats: dict) -> int:
+    """Grows with every lookup and transfer batch: orders two snapshots of one engine."""
+    return stats.get("lookups", 0) + stats.get("save_batches", 0) + stats.get("load_batches", 0)
+
+
+def pool_stats(stats: dict) -> worker_pb2.PoolStats:
+    """The connector's `pool_stats` (`PoolConnector.stats`) on the wire."""
+    from store.kv_transfer import LATENCY_BOUNDS_S
+
+    counters = {f.name: int(stats.get(f.name, 0)) for f in worker_pb2.PoolStats.DESCRIPTOR.fields
+                if f.type != f.TYPE_MESSAGE}
+    out = worker_pb2.PoolStats(**counters)
+    for name in ("save", "load"):
+        buckets = stats.get(f"{name}_buckets") or ()
+        getattr(out, name).CopyFrom(worker_pb2.LatencyHistogram(
+            bounds=LATENCY_BOUNDS_S if buckets else (), counts=buckets,
+            sum_seconds=stats.get(f"{name}_seconds", 0.0),
+            count=stats.get(f"{name}_batches", 0)))
+    return out
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, engine: Engine, instance_id: str, role: str) -> None:
         self.engine = engine
@@ -107,6 +128,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.cached_tokens_total = 0
         self.aborted_total = 0
         self._pool = None
+        self.pool_stats: dict | None = None
+        """The latest of the connector's cumulative counters finished requests carried out."""
         self.on_retire: Callable[[], None] | None = None
         """Called by `Retire`: starts the process's ordered shutdown."""
 
@@ -125,6 +148,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         finally:
             self.prefills -= 1
         self._count(res.num_prompt_tokens, res.num_cached_tokens)
+        self._note_pool(res.pool_stats)
         in_pool = await asyncio.to_thread(self._count_in_pool, res.block_keys, res.blocks_saved)
         log.info("prefill_done", request_id=rid, cached_tokens=res.num_cached_tokens,
                  blocks_saved=res.blocks_saved, blocks_in_pool=in_pool,
@@ -173,6 +197,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 async for out in outs:
                     if first:
                         self._count(len(request.token_ids), out.num_cached_tokens or 0)
+                    if out.finished:
+                        self._note_pool((out.kv_transfer_params or {}).get("pool_stats"))
                     for chunk in _chunks(out, first):
                         yield chunk
                     first = False
@@ -204,6 +230,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             prompt_tokens_total=self.prompt_tokens_total,
             cached_tokens_total=self.cached_tokens_total,
             aborted_total=self.aborted_total,
+            pool=pool_stats(self.pool_stats) if self.pool_stats is not None else None,
         )
 
     async def Retire(self, request: worker_pb2.RetireRequest,
@@ -227,6 +254,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.aborted_total += 1
         log.info("request_aborted", request_id=request_id, stage=stage)
         await self.engine.abort(request_id)
+
+    def _note_pool(self, stats: dict | None) -> None:
+        """Keep the newest snapshot (requests finishing together may be handled out of order)."""
+        if stats and (self.pool_stats is None or _progress(stats) >= _progress(self.pool_stats)):
+            self.pool_stats = stats
 
     def _count(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.requests_total += 1
