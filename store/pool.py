@@ -582,6 +582,11 @@ class MooncakePool:
                 config.rdma_devices,
                 config.master_addr,
             )
+        if code == 0 and config.store_client:
+            # A dummy client reports itself healthy only after its first ping (a thread).
+            deadline = time.monotonic() + config.probe_timeout_s
+            while self._store.health_check() != 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
         if code != 0:
             self._closed = True
             self._workers.shutdown()
