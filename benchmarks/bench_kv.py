@@ -169,14 +169,38 @@ def worker_main(args: argparse.Namespace) -> None:
     segment = args.blocks * shape.block_bytes + 64 * MiB if args.own_segment else 0
     pool = MooncakePool(PoolConfig(master_addr=args.master, metadata_url=args.metadata,
                                    segment_bytes=segment, op_timeout_s=30.0,
-                                   prefer_local_segment=args.own_segment),
+                                   prefer_local_segment=args.own_segment or bool(args.store_client),
+                                   store_client=args.store_client.split(",")[0],
+                                   store_client_segment=args.store_client.split(",")[-1]),
                         io_threads=max(4, args.max_threads))
+    if args.store_client:
+        args.store_client = args.store_client.split(",")[0]
+        # The cache in memory the standalone client maps (as the connector's
+        # get_mem_pool_context makes vLLM allocate it): one backing buffer, per-layer views.
+        import ctypes
+
+        per_layer = args.blocks * shape.block_bytes // shape.layers
+        addr = pool.alloc_shared(per_layer * shape.layers)
+        raw = torch.frombuffer((ctypes.c_uint8 * (per_layer * shape.layers)).from_address(addr),
+                               dtype=torch.uint8)
+        backed = [raw[i * per_layer:(i + 1) * per_layer].view(torch.float32).view(t.shape)
+                  for i, t in enumerate(layers)]
+        for b, t in zip(backed, layers, strict=True):
+            b.copy_(t)
+        layers = backed
     transfer = KVTransfer(BlockLayout.of(layers, args.blocks), lambda: pool,
                           staging_blocks=args.staging_blocks)
     assert transfer.connect()
     flat = None
     if args.role == "reader":  # for the transport probe: one contiguous range per object
-        flat = torch.zeros(args.blocks, shape.block_bytes // 4)
+        if args.store_client:
+            import ctypes
+
+            n = args.blocks * shape.block_bytes
+            flat = torch.frombuffer((ctypes.c_uint8 * n).from_address(pool.alloc_shared(n)),
+                                    dtype=torch.float32).view(args.blocks, -1)
+        else:
+            flat = torch.zeros(args.blocks, shape.block_bytes // 4)
         pool.register_memory(flat.data_ptr(), args.blocks * shape.block_bytes)
     print("READY", flush=True)
     for line in sys.stdin:
@@ -227,12 +251,14 @@ def worker_main(args: argparse.Namespace) -> None:
 
 class Worker:
     def __init__(self, role: str, shape: Shape, blocks: int, master, env: dict[str, str],
-                 max_threads: int, own_segment: bool = False, staging_blocks: int = 0) -> None:
+                 max_threads: int, own_segment: bool = False, staging_blocks: int = 0,
+                 store_client: str = "") -> None:
         argv = [sys.executable, "-m", "benchmarks.bench_kv", "--worker", role,
                 "--layers", str(shape.layers), "--kv-heads", str(shape.kv_heads),
                 "--head-dim", str(shape.head_dim), "--blocks", str(blocks),
                 "--master", master.master_addr, "--metadata", master.metadata_url,
                 "--max-threads", str(max_threads), "--staging-blocks", str(staging_blocks),
+                "--store-client", store_client,
                 ] + (["--own-segment"] if own_segment else [])
         full_env = {**os.environ, **env, "PYTHONPATH": str(ROOT), "GLOG_minloglevel": "2"}
         self.proc = subprocess.Popen(argv, cwd=ROOT, env=full_env, text=True,
@@ -279,6 +305,9 @@ class Setting:
     own_segment: bool = False
     """The writer puts into its own segment (`prefer_local_segment`, as the connector does);
     otherwise objects go to the holder's, and both put and get cross processes."""
+    store_client: bool = False
+    """Writer and reader are Mooncake dummy clients of a standalone `mooncake_client` that owns
+    the segment; their caches live in shared memory it maps: put and get are memcpys there."""
 
 
 @dataclass
@@ -293,9 +322,25 @@ class Result:
 
 
 def run_setting(s: Setting, shape: Shape, blocks: int, rounds: int, master) -> Result:
-    writer = Worker("writer", shape, blocks, master, s.env, s.threads, s.own_segment)
+    service = None
+    if s.store_client:
+        from store.master import StoreClientService
+
+        service = StoreClientService(master, segment="1GB").start()
+    addr = f"{service.address},{service.segment_name}" if service else ""
+    try:
+        return _run_setting(s, shape, blocks, rounds, master, addr)
+    finally:
+        if service is not None:
+            service.stop()
+
+
+def _run_setting(s: Setting, shape: Shape, blocks: int, rounds: int, master,
+                 store_client: str) -> Result:
+    writer = Worker("writer", shape, blocks, master, s.env, s.threads, s.own_segment,
+                    store_client=store_client)
     reader = Worker("reader", shape, blocks, master, s.env, s.threads,
-                    staging_blocks=s.staging_blocks)
+                    staging_blocks=s.staging_blocks, store_client=store_client)
     nbytes = blocks * shape.block_bytes
     puts, gets, flats, identical, latency = [], [], [], True, 0.0
     try:
@@ -403,6 +448,8 @@ SETTINGS = [
             get_batch=256, own_segment=True),
     Setting("connector + load_staging_blocks=256", 64, 1, get_batch=256, own_segment=True,
             staging_blocks=256),
+    Setting("shm: dummy clients of one mooncake_client, put 64 / get 256", 64, 1,
+            get_batch=256, store_client=True),
 ]
 """Mooncake 0.3.13's TCP transport: `MC_TCP_LANES_PER_PEER` connections per peer (default 4),
 `MC_TCP_SLICE_SIZE` bytes per slice (default 64 KiB). `MC_STORE_MEMCPY` is auto-enabled on
@@ -425,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--own-segment", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--master", help=argparse.SUPPRESS)
     p.add_argument("--metadata", help=argparse.SUPPRESS)
+    p.add_argument("--store-client", default="", help=argparse.SUPPRESS)
+    p.add_argument("--only", default="", help="comma-separated indexes of the settings to run")
     args = p.parse_args(argv)
     if args.worker:
         args.role = args.worker
@@ -464,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
     say(f"  tcp {tcp:.2f} GB/s")
 
     settings = [SETTINGS[0], SETTINGS[-1]] if args.quick else SETTINGS
+    if args.only:
+        settings = [SETTINGS[int(i)] for i in args.only.split(",")]
     results: list[Result] = []
     master = StoreMaster(eviction_ratio=0.0, eviction_high_watermark_ratio=1.0)
     with master:

@@ -48,8 +48,11 @@ conductor exposes them on /metrics: `conductor/pool_stats.py`).
 
 from __future__ import annotations
 
+import ctypes
 import queue
 import threading
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -107,6 +110,13 @@ class ConnectorSettings:
     object on the wire, then a copy into the cache. 0 (default): straight into the cache."""
     local_host: str = "127.0.0.1"
     """The address other nodes reach this engine's segment at (the worker's advertised host)."""
+    store_client: str = ""
+    """host:port of this host's standalone `mooncake_client` (`store.master.StoreClientService`):
+    the engine becomes a Mooncake dummy client of it, vLLM's KV cache is allocated in shared
+    memory that client maps (`get_mem_pool_context`), and saves/loads are memcpys inside it
+    instead of TCP transfers (`PoolConfig.store_client`). `segment_bytes` does not apply."""
+    store_client_segment: str = ""
+    """That client's segment name (`StoreClientService.segment_name`), where saves go."""
     save_generated: bool = True
     """A saving engine also saves the blocks its generated tokens fill, next to the prompt's
     blocks (see the module docstring)."""
@@ -130,6 +140,8 @@ class ConnectorSettings:
             op_timeout_s=self.op_timeout_s,
             prefer_local_segment=self.prefer_local_segment,
             local_host=self.local_host,
+            store_client=self.store_client,
+            store_client_segment=self.store_client_segment,
         )
 
 
@@ -155,6 +167,38 @@ class _SharedPool:
                     self._next_try = time.monotonic() + _RETRY_CONNECT_S
                     log.warning("pool_unavailable", error=str(e), fallback="recompute")
             return self._pool
+
+
+class _SharedZerosTorch:
+    """`torch` for `vllm.v1.worker.utils` while the KV cache is allocated: `zeros` of a 1-D CPU
+    int8 buffer comes from the pool's shared memory (memfd pages are zero already)."""
+
+    def __init__(self, pool: MooncakePool) -> None:
+        self._pool = pool
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    def zeros(self, *size: Any, dtype: Any = None, device: Any = None, **kw: Any) -> torch.Tensor:
+        n = size[0] if len(size) == 1 and isinstance(size[0], int) else None
+        if (n is None or kw or dtype is not torch.int8
+                or torch.device(device or "cpu").type != "cpu"):
+            return torch.zeros(*size, dtype=dtype, device=device, **kw)
+        addr = self._pool.alloc_shared(n)
+        log.info("kv_cache_in_shared_memory", nbytes=n)
+        return torch.frombuffer((ctypes.c_int8 * n).from_address(addr), dtype=torch.int8)
+
+
+@contextmanager
+def _kv_cache_in_shared_memory(pool: MooncakePool) -> Iterator[None]:
+    import vllm.v1.worker.utils as worker_utils
+
+    saved = worker_utils.torch
+    worker_utils.torch = _SharedZerosTorch(pool)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        worker_utils.torch = saved
 
 
 _POOLS: dict[ConnectorSettings, _SharedPool] = {}
@@ -508,6 +552,18 @@ class PoolConnector(KVConnectorBase_V1):
         }
 
     # ------------------------------------------------------------------ worker side
+
+    def get_mem_pool_context(self) -> AbstractContextManager | None:
+        """With `store_client`: vLLM allocates the KV cache (one CPU int8 buffer,
+        `vllm.v1.worker.utils.allocate_kv_cache`) in shared memory of the store client, the only
+        memory a Mooncake dummy client can register. Without a pool: vLLM's own allocation (and
+        the cache cannot be registered: every load falls back to recompute)."""
+        if not self._settings.store_client:
+            return None
+        pool = self._pool.get()
+        if pool is None:
+            return None
+        return _kv_cache_in_shared_memory(pool)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = BlockLayout.of(list(kv_caches.values()), self._kv_cache_config.num_blocks)

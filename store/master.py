@@ -271,3 +271,63 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+class StoreClientService:
+    """A supervised standalone `mooncake_client` (Mooncake's RealClient as its own process): it
+    owns `segment` of pool memory and serves the Mooncake *dummy* clients of this host
+    (`PoolConfig.store_client`) over RPC on `port` and a Unix socket
+    (`@mooncake_client_<port>.sock`) through which they hand it their shared memory. Put and get
+    of a dummy client are then memcpys inside this process (MC_STORE_MEMCPY, auto-on when TCP is
+    the only transport): two engines on one host exchange KV without TCP."""
+
+    def __init__(self, master: StoreMaster, *, segment: str = "2GB", host: str = "127.0.0.1",
+                 port: int | None = None, threads: int = 1, log_path: Path | str | None = None,
+                 extra_args: Sequence[str] = ()) -> None:
+        self.master = master
+        self.segment = segment
+        self.host = host
+        self.port = port or free_port(host)
+        self.te_port = free_port(host)
+        self.threads = threads
+        self.extra_args = list(extra_args)
+        binary = Path(find_master_binary()).parent / "mooncake_client"
+        if not binary.is_file():  # the wheel keeps it inside the package
+            import mooncake
+
+            binary = Path(mooncake.__file__).parent / "mooncake_client"
+        self.binary = str(binary)
+        if log_path is None:
+            log_path = Path(tempfile.gettempdir()) / f"kvcluster-mooncake-client-{self.port}.log"
+        self.log_path = Path(log_path)
+        self._proc: ManagedProcess | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def segment_name(self) -> str:
+        """The name of the segment it contributes (its transfer-engine host:port): what
+        `PoolConfig.store_client_segment` names so that puts land in it."""
+        return f"{self.host}:{self.te_port}"
+
+    def argv(self) -> list[str]:
+        return [self.binary, f"--host={self.segment_name}", f"--port={self.port}",
+                f"--global_segment_size={self.segment}", "--protocol=tcp",
+                f"--master_server_address={self.master.master_addr}",
+                f"--metadata_server={self.master.metadata_url}", f"--threads={self.threads}",
+                "--logtostderr=true", *self.extra_args]
+
+    def start(self, timeout: float = 30.0) -> StoreClientService:
+        proc = ManagedProcess(f"mooncake_client:{self.port}", self.argv(), self.log_path)
+        self._proc = proc.start()
+        if not wait_for_port(self.host, self.port, timeout):
+            proc.kill()
+            raise RuntimeError(f"mooncake_client not up in {timeout}s; log {self.log_path}:\n"
+                               f"{proc.tail()}")
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._proc is not None:
+            self._proc.stop(timeout)

@@ -326,6 +326,17 @@ class PoolConfig:
     rdma_devices: str = ""
     op_timeout_s: float = 5.0
     probe_timeout_s: float = 2.0
+    store_client: str = ""
+    """host:port of a standalone `mooncake_client` (Mooncake's RealClient process) on this host.
+    Set: this pool is a Mooncake *dummy* client (`setup_dummy`): the standalone client owns the
+    segment and the transfers, and memory given by `alloc_shared` (memfd, passed to it over a
+    Unix socket) is what can be registered. Two processes on one host then move data by memcpy
+    through that client (MC_STORE_MEMCPY, on by default on TCP-only hosts) instead of TCP.
+    `segment_bytes` and `local_host` do not apply."""
+    store_client_segment: str = ""
+    """The standalone client's segment name (its `--host`, host:port): with
+    `prefer_local_segment`, puts go there (otherwise Mooncake may place them in any segment,
+    another process's, and the copy becomes a TCP transfer)."""
     prefer_local_segment: bool = False
     """`put_from` places objects in this process's own segment while it has room (Mooncake's
     `ReplicateConfig.preferred_segment`; it falls back to other segments when full): a writer
@@ -351,6 +362,8 @@ class PoolConfig:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
         if self.protocol == "tcp" and self.rdma_devices:
             raise ValueError("rdma_devices given with protocol 'tcp'")
+        if self.store_client:
+            _split_host_port(self.store_client)
         if not self.op_timeout_s > 0 or not self.probe_timeout_s > 0:
             raise ValueError("op_timeout_s and probe_timeout_s must be > 0")
 
@@ -368,6 +381,7 @@ class PoolConfig:
             "protocol": str, "rdma_devices": str,
             "op_timeout_s": float, "probe_timeout_s": float,
             "prefer_local_segment": lambda v: v.strip().lower() in ("1", "true", "yes"),
+            "store_client": str, "store_client_segment": str,
         }  # fmt: skip
         for name, fn in conv.items():
             raw = env.get(_ENV_PREFIX + name.upper())
@@ -545,23 +559,34 @@ class MooncakePool:
 
         _probe_master(config)
         _LIVE.add(self)
-        self.local_hostname = f"{config.local_host}:{free_port(config.local_host)}"
         self._store = MooncakeDistributedStore()
         self._workers = _Workers(io_threads, "kvpool-io")
         from mooncake.store import ReplicateConfig
 
         self._put_config = ReplicateConfig()
-        if config.prefer_local_segment and config.segment_bytes > 0:
-            self._put_config.preferred_segment = self.local_hostname
-        code = self._store.setup(  # holds the GIL: no point in a thread with a timeout
-            self.local_hostname,
-            config.metadata_url,
-            config.segment_bytes,
-            config.local_buffer_bytes,
-            config.protocol,
-            config.rdma_devices,
-            config.master_addr,
-        )
+        if config.store_client:
+            self.local_hostname = config.store_client_segment  # the local segment
+            if config.prefer_local_segment and config.store_client_segment:
+                self._put_config.preferred_segment = config.store_client_segment
+            code = self._store.setup_dummy(0, config.local_buffer_bytes, config.store_client)
+        else:
+            self.local_hostname = f"{config.local_host}:{free_port(config.local_host)}"
+            if config.prefer_local_segment and config.segment_bytes > 0:
+                self._put_config.preferred_segment = self.local_hostname
+            code = self._store.setup(  # holds the GIL: no point in a thread with a timeout
+                self.local_hostname,
+                config.metadata_url,
+                config.segment_bytes,
+                config.local_buffer_bytes,
+                config.protocol,
+                config.rdma_devices,
+                config.master_addr,
+            )
+        if code == 0 and config.store_client:
+            # A dummy client reports itself healthy only after its first ping (a thread).
+            deadline = time.monotonic() + config.probe_timeout_s
+            while self._store.health_check() != 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
         if code != 0:
             self._closed = True
             self._workers.shutdown()
@@ -778,6 +803,17 @@ class MooncakePool:
         return sum(c == 0 for c in codes)
 
     # -- ZeroCopyPool ---------------------------------------------------------------------------
+
+    def alloc_shared(self, nbytes: int) -> int:
+        """Dummy-client pools only: `nbytes` of zeroed shared memory (memfd) the standalone
+        client maps; `register_memory` accepts exactly such an allocation (whole). Lives until
+        `close()`."""
+        if not self.config.store_client:
+            raise PoolError("alloc_shared needs store_client (a Mooncake dummy client)")
+        addr = self._store.alloc_from_mem_pool(nbytes)
+        if not addr:
+            raise PoolError(f"alloc_from_mem_pool({nbytes}) failed")
+        return addr
 
     def register_memory(self, addr: int, nbytes: int) -> None:
         budget = self._budget_start()
