@@ -40,7 +40,8 @@ def run(llm, prompt, max_tokens=8):
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
     (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
     c = out.outputs[0]
-    return (list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+    logprobs = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)]
+    return (list(c.token_ids), logprobs,
             out.num_cached_tokens or 0, (out.kv_transfer_params or {}).get("pool_stats"))
 
 
@@ -65,7 +66,7 @@ def main() -> None:
             engines.append(cp)
             b = run(c, prompt)
             print("consumer cached", b[2], "stats", b[3], flush=True)
-            same = a[0] == b[0] and all(abs(x - y) < 1e-3 for x, y in zip(a[1], b[1]))
+            same = a[0] == b[0] and all(abs(x - y) < 1e-3 for x, y in zip(a[1], b[1], strict=True))
             print("SMOKE", "same tokens+logprobs:", same, "cached:", b[2], flush=True)
         finally:
             for procs in engines:

@@ -126,7 +126,7 @@ def run_mode(mode: str, master: StoreMaster, env: dict[str, str], prefault: int)
                  "--global_segment_size=3GB", "--protocol=tcp",
                  f"--master_server_address={master.master_addr}",
                  f"--metadata_server={master.metadata_url}", "--logtostderr=true"],
-                env=env, stdout=subprocess.DEVNULL, stderr=open(f"/tmp/shm_probe_client.log", "w"))
+                env=env, stdout=subprocess.DEVNULL, stderr=open("/tmp/shm_probe_client.log", "w"))
             procs.append(real)
             assert wait_for_port("127.0.0.1", client_port, 20), "mooncake_client not up"
             time.sleep(0.5)

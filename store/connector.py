@@ -51,9 +51,9 @@ from __future__ import annotations
 import ctypes
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
