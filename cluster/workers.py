@@ -29,6 +29,9 @@ class WorkerSpec:
     kv_cache_bytes: int = 256 << 20
     pool_segment_bytes: int = 256 << 20
     lease_ttl: float = 5.0
+    pool_store_client: str = ""
+    pool_store_client_segment: str = ""
+    """This host's `mooncake_client` and its segment (see WorkerConfig); empty: TCP."""
     env: tuple[tuple[str, str], ...] = ()
     python: str = sys.executable
 
@@ -62,6 +65,9 @@ class WorkerSpec:
         ]
         if role == "both":
             argv += ["--role", "both"]
+        if self.pool_store_client:
+            argv += ["--pool-store-client", self.pool_store_client,
+                     "--pool-store-client-segment", self.pool_store_client_segment]
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         env.update(dict(self.env))

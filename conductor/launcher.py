@@ -26,7 +26,7 @@ from cluster.etcd_server import EtcdServer
 from cluster.ports import free_port
 from cluster.process import ManagedProcess
 from cluster.workers import WorkerSpec
-from store.master import StoreMaster
+from store.master import StoreClientService, StoreMaster
 
 log = structlog.get_logger(__name__)
 
@@ -51,6 +51,9 @@ class ClusterSpec:
     lease_ttl: float = 5.0
     policy: str = "kv_centric"
     worker_env: tuple[tuple[str, str], ...] = ()
+    pool_shm: bool = False
+    """Workers exchange KV through one standalone `mooncake_client` on this machine (shared
+    memory, memcpy) instead of each contributing a TCP segment (see docs/benchmarks.md)."""
     cpu_binds: tuple[str, ...] = ()
     """The engines' cores (`VLLM_CPU_OMP_THREADS_BIND`), given to workers in start order and
     cycled, e.g. ("0", "1") for two single-core engines; empty: `nobind` (engines sharing
@@ -85,6 +88,7 @@ class EmbeddedCluster:
     run_dir: Path = field(init=False)
     etcd: EtcdServer | None = None
     master: StoreMaster | None = None
+    store_client: StoreClientService | None = None
     workers: dict[str, WorkerProcess] = field(default_factory=dict)
     conductor: ManagedProcess | None = None
     http_port: int = 0
@@ -110,13 +114,15 @@ class EmbeddedCluster:
 
     def worker_spec(self) -> WorkerSpec:
         assert self.etcd is not None and self.master is not None, "start() first"
-        s = self.spec
+        s, sc = self.spec, self.store_client
         return WorkerSpec(model=s.model, etcd=self.etcd.endpoint,
                           pool_master=self.master.master_addr,
                           pool_metadata=self.master.metadata_url, run_dir=str(self.run_dir),
                           block_size=s.block_size, max_model_len=s.max_model_len, dtype=s.dtype,
                           kv_cache_bytes=s.kv_cache_bytes,
                           pool_segment_bytes=s.pool_segment_bytes, lease_ttl=s.lease_ttl,
+                          pool_store_client=sc.address if sc else "",
+                          pool_store_client_segment=sc.segment_name if sc else "",
                           env=s.worker_env)
 
     # -------------------------------------------------------------- start / stop
@@ -130,6 +136,11 @@ class EmbeddedCluster:
             self.master = StoreMaster(rpc_port=s.store_rpc_port or None,
                                       http_port=s.store_metadata_port or None,
                                       log_path=self.run_dir / "mooncake_master.log").start()
+            if s.pool_shm:  # the pool's memory: every worker's share, in one process
+                n = s.prefill + s.decode
+                self.store_client = StoreClientService(
+                    self.master, segment=f"{max(n, 1) * s.pool_segment_bytes >> 20}MB",
+                    log_path=self.run_dir / "mooncake_client.log").start()
             for _ in range(s.prefill):
                 self.start_worker("prefill")
             for _ in range(s.decode):
@@ -226,6 +237,9 @@ class EmbeddedCluster:
             wp.process.signal_group(signal.SIGTERM)
         for wp in workers:
             wp.process.stop(timeout=20.0)
+        if self.store_client is not None:
+            self.store_client.stop()
+            self.store_client = None
         if self.master is not None:
             self.master.stop()
             self.master = None
@@ -259,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
                    default=int(os.environ.get("KVCLUSTER_ADMIN_PORT", "8001")),
                    help="the conductor's admin API on 127.0.0.1 (0: a free port, -1: off)")
     p.add_argument("--run-dir", default=os.environ.get("KVCLUSTER_RUN_DIR", "run"))
+    p.add_argument("--pool-shm", action="store_true",
+                   default=os.environ.get("KVCLUSTER_POOL_SHM", "") in ("1", "true", "yes"),
+                   help="KV between workers through one mooncake_client's shared memory "
+                   "(memcpy) instead of TCP segments")
     a = p.parse_args(argv)
     configure("launcher")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -267,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                        etcd_port=a.etcd_port, store_rpc_port=a.store_rpc_port,
                        store_metadata_port=a.store_metadata_port, run_dir=a.run_dir,
                        block_size=a.block_size, max_model_len=a.max_model_len,
-                       admin_port=a.admin_port)
+                       admin_port=a.admin_port, pool_shm=a.pool_shm)
     cluster = EmbeddedCluster(spec)
     stopping = False
 

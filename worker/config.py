@@ -43,6 +43,12 @@ class WorkerConfig:
     kv_cache_bytes: int = 512 << 20
     max_num_seqs: int = 64
     pool_segment_bytes: int = 256 << 20
+    pool_store_client: str = ""
+    """host:port of this host's standalone `mooncake_client` (`store.master.StoreClientService`):
+    the engine becomes its dummy client, its KV cache lives in shared memory that client maps,
+    and blocks move by memcpy instead of TCP (`pool_segment_bytes` then does not apply)."""
+    pool_store_client_segment: str = ""
+    """That client's segment name (its transfer-engine host:port), where saves go."""
     lease_ttl: float = 5.0
     enforce_eager: bool = True
     kv_events: bool = True
@@ -60,6 +66,8 @@ class WorkerConfig:
             raise ValueError(f"port out of range: {self.port}")
         if self.lease_ttl < 1:
             raise ValueError(f"lease_ttl must be at least 1 s, got {self.lease_ttl}")
+        if bool(self.pool_store_client) != bool(self.pool_store_client_segment):
+            raise ValueError("pool_store_client and pool_store_client_segment go together")
         if not os.path.isdir(self.model):
             raise ValueError(f"model must be a local model directory: {self.model!r}")
         if not self.served_model_name:

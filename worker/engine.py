@@ -70,6 +70,8 @@ class Engine:
                 # other nodes read this engine's segment there (loopback in the embedded
                 # cluster, the advertised address on a real one)
                 "local_host": c.advertise_host,
+                "store_client": c.pool_store_client,
+                "store_client_segment": c.pool_store_client_segment,
             },
         )
         args = AsyncEngineArgs(
