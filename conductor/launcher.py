@@ -56,8 +56,10 @@ class ClusterSpec:
     memory, memcpy) instead of each contributing a TCP segment (see docs/benchmarks.md)."""
     cpu_binds: tuple[str, ...] = ()
     """The engines' cores (`VLLM_CPU_OMP_THREADS_BIND`), given to workers in start order and
-    cycled, e.g. ("0", "1") for two single-core engines; empty: `nobind` (engines sharing
-    cores fight: each spins as many OMP threads as the machine has cores)."""
+    cycled, e.g. ("0-7", "8-15"); empty: `nobind`. Give each engine cores of its own: pinned
+    engines sharing a core starved the Mooncake transfer threads pinned with them here (pool
+    reads stalled for 60 s); to share few cores, leave this empty and set `OMP_NUM_THREADS` in
+    `worker_env` instead (unpinned engines with a thread per core each thrash)."""
     conductor_args: tuple[str, ...] = ()
     admin_port: int = 0
     """The conductor's admin API on 127.0.0.1 (token in `<run_dir>/admin.token`); 0 picks a

@@ -51,15 +51,16 @@ class Engines:
     cores: int = os.cpu_count() or 1
 
     @property
-    def binds(self) -> tuple[str, ...]:
-        """One core per disaggregated engine (prefills first, then decodes, cycling over the
-        cores): engines sharing cores with `nobind` each spin an OMP thread per core and
-        thrash (measured here: a 768-token prefill 10x slower with three such engines)."""
-        return tuple(str(i % self.cores) for i in range(self.prefill + self.decode))
+    def threads(self) -> int:
+        """OMP threads per disaggregated engine: the cores shared out, at least one. Engines
+        are not pinned: pinned engines (`VLLM_CPU_OMP_THREADS_BIND=0`, `=1`) starved the
+        Mooncake transfer threads that share their core (pool reads stalled for 60 s), and
+        unpinned engines with a thread per core each (`nobind`) thrash (a 768-token prefill
+        10x slower with three of them)."""
+        return max(1, self.cores // (self.prefill + self.decode))
 
-    @property
-    def all_cores(self) -> str:
-        return f"0-{self.cores - 1}" if self.cores > 1 else "0"
+    def env(self, threads: int) -> dict[str, str]:
+        return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads)}
 
     @property
     def served_name(self) -> str:
@@ -110,7 +111,7 @@ def ours(policy: str, e: Engines, run_dir: Path, ttft_slo_s: float, tbt_slo_s: f
                        run_dir=str(run_dir), block_size=e.block_size,
                        max_model_len=e.max_model_len, dtype=e.dtype,
                        kv_cache_bytes=e.kv_cache_bytes, pool_segment_bytes=e.pool_segment_bytes,
-                       policy=policy, cpu_binds=e.binds,
+                       policy=policy, worker_env=tuple(e.env(e.threads).items()),
                        conductor_args=("--ttft-slo-s", str(ttft_slo_s),
                                        "--tbt-slo-s", str(tbt_slo_s)))
     c = EmbeddedCluster(spec).start(timeout=600)
@@ -168,7 +169,7 @@ def _tokenizer(model: str):
 
 
 def _vllm_serve(name: str, e: Engines, run_dir: Path, kv_cache_bytes: int,
-                connector: dict | None, cores: str) -> tuple[ManagedProcess, str]:
+                connector: dict | None, threads: int) -> tuple[ManagedProcess, str]:
     port = free_port()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", e.model, "--served-model-name", e.served_name,
@@ -180,7 +181,7 @@ def _vllm_serve(name: str, e: Engines, run_dir: Path, kv_cache_bytes: int,
             "--enable-prefix-caching"]
     if connector is not None:
         argv += ["--kv-transfer-config", json.dumps(connector)]
-    env = {**_engine_env(), "VLLM_CPU_OMP_THREADS_BIND": cores}
+    env = {**_engine_env(), **e.env(threads)}
     proc = ManagedProcess(name, argv, run_dir / f"{name}.log", env=env,
                           cwd=str(Path(__file__).resolve().parents[2])).start()
     return proc, f"http://127.0.0.1:{port}"
@@ -223,12 +224,12 @@ def vllm_router(e: Engines, run_dir: Path) -> Running:
         prefills, decodes = [], []
         for i in range(e.prefill):
             p, url = _vllm_serve(f"vllm-prefill-{i}", e, run_dir, e.kv_cache_bytes,
-                                 connector("kv_both"), e.binds[i])
+                                 connector("kv_both"), e.threads)
             procs.append(p)
             prefills.append(url)
         for i in range(e.decode):
             p, url = _vllm_serve(f"vllm-decode-{i}", e, run_dir, e.kv_cache_bytes,
-                                 connector("kv_both"), e.binds[e.prefill + i])
+                                 connector("kv_both"), e.threads)
             procs.append(p)
             decodes.append(url)
         for url in prefills + decodes:
@@ -254,7 +255,7 @@ def vllm_router(e: Engines, run_dir: Path) -> Running:
 def colocated(e: Engines, run_dir: Path) -> Running:
     run_dir.mkdir(parents=True, exist_ok=True)
     kv = e.kv_cache_bytes * (e.prefill + e.decode)
-    p, url = _vllm_serve("vllm-colocated", e, run_dir, kv, None, e.all_cores)
+    p, url = _vllm_serve("vllm-colocated", e, run_dir, kv, None, e.cores)
     try:
         _wait_http(f"{url}/health", [p], 600, "the colocated vLLM server")
     except BaseException:
