@@ -28,7 +28,7 @@ class WorkerSpec:
     dtype: str = "float32"
     kv_cache_bytes: int = 256 << 20
     pool_segment_bytes: int = 256 << 20
-    lease_ttl: float = 5.0
+    lease_ttl: float = 10.0
     pool_store_client: str = ""
     pool_store_client_segment: str = ""
     """This host's `mooncake_client` and its segment (see WorkerConfig); empty: TCP."""

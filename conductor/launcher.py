@@ -48,7 +48,7 @@ class ClusterSpec:
     dtype: str = "float32"
     kv_cache_bytes: int = 256 << 20
     pool_segment_bytes: int = 256 << 20
-    lease_ttl: float = 5.0
+    lease_ttl: float = 10.0
     policy: str = "kv_centric"
     worker_env: tuple[tuple[str, str], ...] = ()
     pool_shm: bool = False

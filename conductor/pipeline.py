@@ -318,6 +318,8 @@ class Pipeline:
             )
         except grpc.aio.AioRpcError as e:
             raise _failure(e, inst, "prefill") from None
+        except grpc.aio.UsageError:  # its channel closed: it left after we chose it
+            raise _left(inst, "prefill") from None
         except asyncio.CancelledError:
             if _cancelled_by_us():
                 raise
@@ -341,11 +343,15 @@ class Pipeline:
                       first_call: bool = True) -> AsyncIterator[Delta]:
         """The decode stream as deltas; WorkerFailure when the instance fails it.
         `first_call`: the request's first decode (a continuation keeps the usage figures)."""
-        call = inst.stub.Generate(
-            worker_pb2.GenerateRequest(request_id=prep.request_id, token_ids=prep.token_ids,
-                                       params=prep.params, cache_salt=prep.cache_salt),
-            timeout=max(deadline - time.monotonic(), 0.001),
-        )
+        try:
+            call = inst.stub.Generate(
+                worker_pb2.GenerateRequest(request_id=prep.request_id, token_ids=prep.token_ids,
+                                           params=prep.params, cache_salt=prep.cache_salt),
+                timeout=max(deadline - time.monotonic(), 0.001),
+            )
+        except grpc.aio.UsageError:  # its channel closed: it left after we chose it (its
+            # lease lapsed while the prefill ran); new calls are refused, calls in flight go on
+            raise _left(inst, "decode") from None
         unfinished = set(range(prep.params.n or 1))
         held: list[worker_pb2.TokenLogprobs] = []  # prompt logprobs of steps without output
         try:

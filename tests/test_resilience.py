@@ -196,3 +196,30 @@ def test_a_call_cancelled_by_its_channel_closing_is_an_instance_failure(model_di
         moved = (metric(c.url, "kvcluster_retries_total", stage="decode")
                  + metric(c.url, "kvcluster_stream_migrations_total"))
         assert moved == 1
+
+
+def test_a_decode_instance_that_left_during_the_prefill_is_replaced(model_dir):
+    """Its lease lapsed while the request's prefill ran: its channel is closing and refuses new
+    calls (grpc.aio's UsageError, once a 500). The decode goes to another instance instead."""
+    import asyncio
+    import threading
+    import time
+
+    LONG = list(range(100, 700))  # long enough to be prefilled apart (conditional disaggregation)
+    with LocalConductor(model_dir, roles=("prefill", "decode", "decode"),
+                        knobs=Knobs(continue_sequence=True, prefill_delay_s=1.0)) as c:
+        result: list[httpx.Response] = []
+        t = threading.Thread(target=lambda: result.append(complete(c.url, LONG, max_tokens=4)))
+        t.start()
+        registry = c.app.state.conductor.registry
+        deadline = time.monotonic() + 10
+        while not (chosen := [i for i in registry.all()
+                              if i.role == "decode" and i.load.in_flight()]):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert not any(w.counts.generates for w in c.workers.values())  # still prefilling
+        asyncio.run_coroutine_threadsafe(chosen[0].channel.close(grace=30), c._loop).result(5)
+        t.join(20)
+        assert result[0].status_code == 200, result[0].text
+        assert result[0].json()["choices"][0]["text"] == expected(LONG, 4)
+        assert metric(c.url, "kvcluster_retries_total", stage="decode") == 1

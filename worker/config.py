@@ -49,7 +49,10 @@ class WorkerConfig:
     and blocks move by memcpy instead of TCP (`pool_segment_bytes` then does not apply)."""
     pool_store_client_segment: str = ""
     """That client's segment name (its transfer-engine host:port), where saves go."""
-    lease_ttl: float = 5.0
+    lease_ttl: float = 10.0
+    """Seconds of silence before etcd drops the worker. The conductor's health checks take a
+    dead worker out of routing within a second anyway; 5 s let starved workers' leases lapse
+    under load (4 engines on 2 cores: every instance left and rejoined mid-benchmark)."""
     enforce_eager: bool = True
     kv_events: bool = True
     """Publish the engine's prefix-cache changes to the conductor (the `KvEvents` RPC)."""
