@@ -163,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=1.0, help="arrival rate, requests/s")
     p.add_argument("--prefill", type=int, default=2)
     p.add_argument("--decode", type=int, default=2)
+    p.add_argument("--pool", choices=("shm", "tcp"), default="shm",
+                   help="the pool's transport for the disaggregated systems (default: shared "
+                   "memory through one mooncake_client, the best Mooncake offers on one host)")
     p.add_argument("--trace", default=str(TRACE))
     p.add_argument("--prewarm-n", default="8,16,32", help="'' skips the prewarm experiment")
     p.add_argument("--out", default=str(ROOT / "docs" / "e2e"))
@@ -185,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     for w in wls:
         print(f"workload {w.name}: {w.description}; reuse "
               f"{workloads.reuse_ratio(w, 32):.0%} of full blocks", flush=True)
-    engines = systems.Engines(model=model, prefill=args.prefill, decode=args.decode)
+    engines = systems.Engines(model=model, prefill=args.prefill, decode=args.decode,
+                              pool_shm=args.pool == "shm")
 
     records: list[report.RequestRecord] = []
     summaries: dict[tuple[str, str], report.Summary] = {}

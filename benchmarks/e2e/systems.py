@@ -31,7 +31,7 @@ from cluster.ports import free_port
 from cluster.process import ManagedProcess
 from conductor.launcher import ClusterSpec, EmbeddedCluster
 from protos import worker_pb2, worker_pb2_grpc
-from store.master import StoreMaster
+from store.master import StoreClientService, StoreMaster
 from worker.engine import kv_namespace
 
 
@@ -49,6 +49,9 @@ class Engines:
     pool_segment_bytes: int = 1 << 30
     max_num_seqs: int = 64
     cores: int = os.cpu_count() or 1
+    pool_shm: bool = True
+    """The pool's transport for the disaggregated systems: one `mooncake_client`'s shared
+    memory (memcpy), the best Mooncake offers on one host; False: each engine a TCP segment."""
 
     @property
     def threads(self) -> int:
@@ -112,6 +115,7 @@ def ours(policy: str, e: Engines, run_dir: Path, ttft_slo_s: float, tbt_slo_s: f
                        max_model_len=e.max_model_len, dtype=e.dtype,
                        kv_cache_bytes=e.kv_cache_bytes, pool_segment_bytes=e.pool_segment_bytes,
                        policy=policy, worker_env=tuple(e.env(e.threads).items()),
+                       pool_shm=e.pool_shm,
                        conductor_args=("--ttft-slo-s", str(ttft_slo_s),
                                        "--tbt-slo-s", str(tbt_slo_s)))
     c = EmbeddedCluster(spec).start(timeout=600)
@@ -187,12 +191,15 @@ def _vllm_serve(name: str, e: Engines, run_dir: Path, kv_cache_bytes: int,
     return proc, f"http://127.0.0.1:{port}"
 
 
-def _stop_all(procs: list[ManagedProcess], master: StoreMaster | None = None) -> None:
+def _stop_all(procs: list[ManagedProcess], master: StoreMaster | None = None,
+              holder: StoreClientService | None = None) -> None:
     for p in reversed(procs):
         try:
             p.stop(timeout=20.0)
         except Exception:  # stop the rest whatever one does
             p.kill()
+    if holder is not None:
+        holder.stop()
     if master is not None:
         master.stop()
 
@@ -213,14 +220,23 @@ def vllm_router(e: Engines, run_dir: Path) -> Running:
     run_dir.mkdir(parents=True, exist_ok=True)
     master = StoreMaster(log_path=run_dir / "mooncake_master.log").start()
     procs: list[ManagedProcess] = []
+    holder: StoreClientService | None = None
     try:
+        if e.pool_shm:  # as our cluster's --pool-shm does
+            n = e.prefill + e.decode
+            holder = StoreClientService(master, segment=f"{n * e.pool_segment_bytes >> 20}MB",
+                                        log_path=run_dir / "mooncake_client.log").start()
+
         def connector(role: str) -> dict:
+            extra = {"master_addr": master.master_addr, "metadata_url": master.metadata_url,
+                     "namespace": kv_namespace(e.model, e.block_size, e.dtype),
+                     "segment_bytes": e.pool_segment_bytes, "local_host": "127.0.0.1"}
+            if holder is not None:
+                extra |= {"store_client": holder.address,
+                          "store_client_segment": holder.segment_name}
             return {"kv_connector": "PoolConnector", "kv_connector_module_path": "store.connector",
                     "kv_role": role, "kv_load_failure_policy": "recompute",
-                    "kv_connector_extra_config": {
-                        "master_addr": master.master_addr, "metadata_url": master.metadata_url,
-                        "namespace": kv_namespace(e.model, e.block_size, e.dtype),
-                        "segment_bytes": e.pool_segment_bytes, "local_host": "127.0.0.1"}}
+                    "kv_connector_extra_config": extra}
         prefills, decodes = [], []
         for i in range(e.prefill):
             p, url = _vllm_serve(f"vllm-prefill-{i}", e, run_dir, e.kv_cache_bytes,
@@ -246,9 +262,9 @@ def vllm_router(e: Engines, run_dir: Path) -> Running:
         url = f"http://127.0.0.1:{port}"
         _wait_http(f"{url}/health", procs, 120, "vllm-router")
     except BaseException:
-        _stop_all(procs, master)
+        _stop_all(procs, master, holder)
         raise
-    return Running("vllm_router", url, e.served_name, lambda: _stop_all(procs, master),
+    return Running("vllm_router", url, e.served_name, lambda: _stop_all(procs, master, holder),
                    _http_direct(decodes[0], e.served_name), run_dir)
 
 
