@@ -870,7 +870,11 @@ class MooncakePool:
 
     def segment_of(self, key: str) -> str | None:
         """From the master's replica descriptors: the transport endpoint of the first memory
-        replica, which is the name of the segment holding it."""
+        replica, which is the name of the segment holding it. A dummy client (`store_client`)
+        cannot ask (its real client does not serve that RPC) and needs not: everything it
+        writes goes to the store client's segment, which outlives the engine."""
+        if self.config.store_client:
+            return self.config.store_client_segment if self.exists([key])[0] else None
         budget = self._budget_start()
         try:
             replicas = self._call(budget, self._store.get_replica_desc, key)
