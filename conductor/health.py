@@ -9,47 +9,30 @@ not a dead one). The next successful check brings it back. Requests in flight ar
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conductor.registry import Instance, Registry
+from conductor.registry import Instance, PerInstance, Registry
 
 log = structlog.get_logger(__name__)
 
 SERVICE = "kvcluster.v1.Worker"
 
 
-class HealthChecker:
+class HealthChecker(PerInstance):
+    task_name = "health"
+
     def __init__(self, registry: Registry, interval_s: float) -> None:
         self.registry = registry
         self.interval_s = interval_s
         self.timeout_s = max(2 * interval_s, 2.0)
         """A busy machine answers late; a dead instance refuses at once, whatever this is."""
-        self._tasks: dict[str, asyncio.Task] = {}
         self.failures_total = 0
-        registry.listen(self)
+        super().__init__(registry)
 
-    def instance_joined(self, inst: Instance) -> None:
-        with contextlib.suppress(RuntimeError):  # no running loop: the registry is offline
-            self._tasks[inst.instance_id] = asyncio.get_running_loop().create_task(
-                self._watch(inst), name=f"health-{inst.instance_id}")
-
-    def instance_left(self, inst: Instance) -> None:
-        task = self._tasks.pop(inst.instance_id, None)
-        if task is not None:
-            task.cancel()
-
-    async def close(self) -> None:
-        tasks = list(self._tasks.values())
-        self._tasks.clear()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _watch(self, inst: Instance) -> None:
+    async def _run(self, inst: Instance) -> None:
         stub = health_pb2_grpc.HealthStub(inst.channel)
         loop = asyncio.get_running_loop()
         iid = inst.instance_id

@@ -13,14 +13,13 @@ instance's saves are counted once the next request finished there.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable, Iterable, Mapping
 
 import structlog
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from conductor.registry import Instance, Registry
+from conductor.registry import Instance, PerInstance, Registry
 from protos import worker_pb2
 
 log = structlog.get_logger(__name__)
@@ -38,35 +37,22 @@ BLOCK_KINDS = {
 """`kvcluster_pool_blocks_total{kind}`: the `PoolStats` field each kind counts."""
 
 
-class PoolStatsPoller:
+class PoolStatsPoller(PerInstance):
     """Follows the registry: one polling task per instance, `latest` its last `PoolStats`."""
+
+    task_name = "pool-stats"
 
     def __init__(self, registry: Registry, interval_s: float) -> None:
         self.interval_s = interval_s
         self.timeout_s = interval_s
         self.latest: dict[str, worker_pb2.PoolStats] = {}
-        self._tasks: dict[str, asyncio.Task] = {}
-        registry.listen(self)
-
-    def instance_joined(self, inst: Instance) -> None:
-        with contextlib.suppress(RuntimeError):  # no running loop: the registry is offline
-            self._tasks[inst.instance_id] = asyncio.get_running_loop().create_task(
-                self._poll(inst), name=f"pool-stats-{inst.instance_id}")
+        super().__init__(registry)
 
     def instance_left(self, inst: Instance) -> None:
-        task = self._tasks.pop(inst.instance_id, None)
-        if task is not None:
-            task.cancel()
+        super().instance_left(inst)
         self.latest.pop(inst.instance_id, None)
 
-    async def close(self) -> None:
-        tasks = list(self._tasks.values())
-        self._tasks.clear()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _poll(self, inst: Instance) -> None:
+    async def _run(self, inst: Instance) -> None:
         loop = asyncio.get_running_loop()
         while True:
             started = loop.time()

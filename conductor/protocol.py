@@ -68,7 +68,10 @@ class GenerationRequest(_Body):
     tbt_slo_ms: float | None = Field(
         default=None, description="This request's time-between-tokens SLO in ms (default: the "
         "conductor's).")
-    request_id: str | None = Field(default=None, description="Optional caller-chosen id.")
+    request_id: Annotated[str, Field(min_length=1, max_length=128,
+                                     pattern=r"^[\x21-\x7e]+$")] | None = Field(
+        default=None, description="Optional caller-chosen id: 1-128 visible ASCII characters "
+        "(it goes into the response's id and headers).")
     return_token_ids: bool | None = None
     response_format: dict[str, Any] | None = Field(
         default=None, description="Only {'type': 'text'} (no structured outputs).")

@@ -4,6 +4,8 @@ the routing policy; listeners (the router) hear joins and leaves."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -65,6 +67,37 @@ class Instance:
 class RegistryListener(Protocol):
     def instance_joined(self, inst: Instance) -> None: ...
     def instance_left(self, inst: Instance) -> None: ...
+
+
+class PerInstance:
+    """A registry listener running one asyncio task per instance (`_run`): started as the
+    instance joins, cancelled as it leaves, all cancelled by `close`."""
+
+    task_name = "per-instance"
+
+    def __init__(self, registry: Registry) -> None:
+        self._tasks: dict[str, asyncio.Task] = {}
+        registry.listen(self)
+
+    def instance_joined(self, inst: Instance) -> None:
+        with contextlib.suppress(RuntimeError):  # no running loop: the registry is offline
+            self._tasks[inst.instance_id] = asyncio.get_running_loop().create_task(
+                self._run(inst), name=f"{self.task_name}-{inst.instance_id}")
+
+    def instance_left(self, inst: Instance) -> None:
+        task = self._tasks.pop(inst.instance_id, None)
+        if task is not None:
+            task.cancel()
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run(self, inst: Instance) -> None:
+        raise NotImplementedError
 
 
 class Registry:
@@ -236,9 +269,5 @@ def _none(_: str) -> int:
 
 
 def _close_later(channel: grpc.aio.Channel) -> None:
-    import asyncio
-
-    try:
+    with contextlib.suppress(RuntimeError):  # no running loop: nothing to close it on
         asyncio.get_running_loop().create_task(channel.close(grace=LEFT_GRACE_S))
-    except RuntimeError:
-        pass
