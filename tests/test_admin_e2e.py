@@ -273,10 +273,7 @@ def test_a_stream_whose_decode_worker_is_killed_continues_elsewhere_token_for_to
                 ids += choice.get("token_ids") or []
                 text += choice["text"]
                 if kill_after is not None and killed is None and len(ids) >= kill_after:
-                    busy = [i for i in instances(ctl).values()
-                            if i.role == "decode" and i.running > 0]
-                    assert len(busy) == 1, f"{len(ids)} tokens read, busy decodes: {busy}"
-                    killed = busy[0].instance_id
+                    killed = _streaming_decode(ctl, chunk["id"])
                     ctl.stop_worker(killed, kill=True)
         assert kill_after is None or killed is not None
         return ids, text
@@ -287,3 +284,15 @@ def test_a_stream_whose_decode_worker_is_killed_continues_elsewhere_token_for_to
     clean_ids, clean_text = run(kill_after=None)
     assert len(broken_ids) == len(clean_ids) == MIGRATE_TOKENS
     assert broken_ids == clean_ids and broken_text == clean_text
+
+
+def _streaming_decode(c: EmbeddedCluster, request_id: str) -> str:
+    """The decode worker whose own log shows `request_id`'s stream started and not ended."""
+    for iid, wp in c.workers.items():
+        if wp.role != "decode":
+            continue
+        log = wp.process.log_path.read_text(errors="replace")
+        if f"request_id={request_id}" in log and "generate_end" not in "".join(
+                line for line in log.splitlines() if f"request_id={request_id}" in line):
+            return iid
+    raise AssertionError(f"no decode worker is streaming {request_id}")
