@@ -175,12 +175,15 @@ def test_overload_is_rejected_early_and_admitted_requests_meet_their_prediction(
     _wait_for(lambda: any(e["instance_id"] == gone for e in _log(c, "conductor", "instance_left")),
               LEASE_TTL + 10, f"{gone} left")
     rng = random.Random(5)
+    # warm-ups exist to be timed: their own SLO admits them whatever the model says now (a
+    # model fitted while the machine was slow refused them once, and refusals teach nothing)
+    lax = {"ttft_slo_ms": 600_000, "tbt_slo_ms": 60_000}
     for i in range(2):  # timings on the remaining instance refit the prefill model: solo...
-        r, _ = _complete(c, _vocab_tokens(rng, 1500), f"warm-{i}")
+        r, _ = _complete(c, _vocab_tokens(rng, 1500), f"warm-{i}", **lax)
         assert r.status_code == 200, r.text
     with ThreadPoolExecutor(4) as ex:  # ...and back to back
         warm = list(ex.map(lambda i: _complete(c, _vocab_tokens(random.Random(i), 1500),
-                                               f"warm-group-{i}"), range(4)))
+                                               f"warm-group-{i}", **lax), range(4)))
     assert {r.status_code for r, _ in warm} <= {200, 429}
 
     # This machine's speed drifts several-fold with other jobs: size the burst's prompts by
