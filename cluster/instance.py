@@ -29,6 +29,9 @@ class InstanceInfo:
     version: str
     started_at: float = field(default_factory=time.time)  # Unix time
     kv_namespace: str = ""  # prefix of its blocks' pool keys (model and KV layout)
+    cpus: str = ""  # the cores its engine computes on, as a Linux CPU list ("0-3,8"); "": unknown
+    threads: int = 0  # its engine's compute threads (CPU); 0: unknown
+    gpus: str = ""  # the accelerators it computes on ("0,1"); "": none
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -41,7 +44,7 @@ class InstanceInfo:
         host, sep, port = self.address.rpartition(":")
         if not (sep and host and port.isdigit()):
             raise ValueError(f"address must be host:port, not {self.address!r}")
-        for name in ("block_size", "capacity_tokens"):
+        for name in ("block_size", "capacity_tokens", "threads"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{name} must be an int, not {value!r}")
@@ -51,9 +54,19 @@ class InstanceInfo:
             raise ValueError("block_size must be positive")
         if not isinstance(self.kv_namespace, str) or "/" in self.kv_namespace:
             raise ValueError(f"kv_namespace must be a string without '/': {self.kv_namespace!r}")
+        for name in ("cpus", "gpus"):
+            try:
+                cpu_list(getattr(self, name))
+            except (TypeError, ValueError, AttributeError):
+                raise ValueError(f"{name} must be a CPU/device list like '0-3,8', not "
+                                 f"{getattr(self, name)!r}") from None
         if not isinstance(self.started_at, (int, float)) or isinstance(self.started_at, bool):
             raise TypeError(f"started_at must be a number, not {self.started_at!r}")
         object.__setattr__(self, "started_at", float(self.started_at))
+
+    @property
+    def host(self) -> str:
+        return self.address.rpartition(":")[0]
 
     @property
     def can_prefill(self) -> bool:
@@ -85,3 +98,26 @@ class InstanceInfo:
             return cls(**obj)
         except TypeError as e:
             raise ValueError(f"InstanceInfo JSON: {e}") from e
+
+
+def cpu_list(text: str) -> frozenset[int]:
+    """A Linux CPU list ("0-3,8") as the set of its numbers; "" is the empty set."""
+    out: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, _, hi = part.partition("-")
+        a, b = int(lo), int(hi or lo)
+        if a < 0 or b < a:
+            raise ValueError(f"bad range {part!r}")
+        out.update(range(a, b + 1))
+    return frozenset(out)
+
+
+def format_cpu_list(cpus: set[int] | frozenset[int]) -> str:
+    """The inverse of `cpu_list`: runs of consecutive numbers as ranges."""
+    runs: list[tuple[int, int]] = []
+    for c in sorted(cpus):
+        if runs and runs[-1][1] == c - 1:
+            runs[-1] = (runs[-1][0], c)
+        else:
+            runs.append((c, c))
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)

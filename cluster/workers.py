@@ -11,8 +11,12 @@ from pathlib import Path
 
 from cluster.ports import free_port
 from cluster.process import ManagedProcess
+from cluster.shape import Engine
 
 ROLES = ("prefill", "decode", "both")
+SHARED_ENGINE_SPIN_S = "0.01"
+"""How long the vLLM processes of an engine on shared cores busy-wait for the next message
+(`worker/vllm_plugin.py`; vLLM's 1 s kept them spinning between steps; 0 hung the engine)."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,9 @@ class WorkerSpec:
     pool_store_client: str = ""
     pool_store_client_segment: str = ""
     """This host's `mooncake_client` and its segment (see WorkerConfig); empty: TCP."""
+    enforce_eager: bool = True
+    """Eager PyTorch (engines up in ~20 s) or vLLM's compiled graphs (~1 ms faster per step
+    for the tiny model here, ~45 s more to start)."""
     env: tuple[tuple[str, str], ...] = ()
     python: str = sys.executable
 
@@ -45,10 +52,10 @@ class WorkerSpec:
         return cls(**raw)
 
     def start(self, role: str, instance_id: str, port: int = 0,
-              cpu_bind: str = "") -> tuple[ManagedProcess, int]:
+              placement: Engine | None = None) -> tuple[ManagedProcess, int]:
         """Start one worker (its engine loads in the background); returns it and its port.
-        `cpu_bind`: its engine's `VLLM_CPU_OMP_THREADS_BIND` (e.g. "0" or "2-3"; one OMP
-        thread per listed core), else the spec's env or `nobind`."""
+        `placement`: its engine's cores and threads (`cluster.shape`), else unbound (then the
+        spec's `env` decides)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         port = port or free_port()
@@ -62,6 +69,7 @@ class WorkerSpec:
             "--dtype", self.dtype, "--kv-cache-bytes", str(self.kv_cache_bytes),
             "--pool-segment-bytes", str(self.pool_segment_bytes),
             "--lease-ttl", str(self.lease_ttl),
+            "--enforce-eager", str(self.enforce_eager).lower(),
         ]
         if role == "both":
             argv += ["--role", "both"]
@@ -70,9 +78,14 @@ class WorkerSpec:
                      "--pool-store-client-segment", self.pool_store_client_segment]
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        if placement is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = placement.cpu_bind
+            env["OMP_NUM_THREADS"] = str(placement.threads)
+            if placement.gpu:
+                env["CUDA_VISIBLE_DEVICES"] = placement.gpu
+            if placement.shared:
+                env["KVCLUSTER_ENGINE_SPIN_S"] = SHARED_ENGINE_SPIN_S
         env.update(dict(self.env))
-        if cpu_bind:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
         proc = ManagedProcess(instance_id, argv, Path(self.run_dir) / f"{instance_id}.log",
                               env=env)
         return proc.start(), port

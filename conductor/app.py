@@ -31,6 +31,7 @@ from conductor.admin import AdminServer
 from conductor.auth import ApiKeyMiddleware
 from conductor.chat import ChatTemplate
 from conductor.config import ConductorConfig
+from conductor.deltas import Delta
 from conductor.errors import (
     ConductorError,
     InvalidRequest,
@@ -42,7 +43,7 @@ from conductor.errors import (
 )
 from conductor.health import HealthChecker
 from conductor.metrics import CLIENT_CLOSED, CONTENT_TYPE, Metrics, RequestTimer
-from conductor.pipeline import Delta, Outcome, Pipeline
+from conductor.pipeline import Outcome, Pipeline
 from conductor.pool_stats import PoolStatsPoller
 from conductor.protocol import (
     ChatCompletionRequest,
@@ -57,6 +58,7 @@ from conductor.response import ResponseSpec, collect, stream
 from conductor.sampling import ModelDefaults, sampling
 from conductor.scheduler.pool_sync import PoolSync
 from conductor.tokenizer import Tokenizer
+from conductor.tracing import Tracing
 from protos import worker_pb2
 
 log = structlog.get_logger(__name__)
@@ -88,6 +90,7 @@ class Conductor:
         self.metrics = Metrics(self.registry.views,
                                lambda: self.pool_stats.latest if self.pool_stats else {})
         self.pipeline.metrics = self.metrics
+        self.metrics.tracing = Tracing.from_config(config.otel_endpoint)
         make = membership or (lambda on_change: MembershipWatcher(
             config.etcd, prefix=config.membership_prefix, on_change=on_change))
         self.watcher = make(self._on_members)
@@ -106,6 +109,7 @@ class Conductor:
     async def start(self) -> None:
         self.health = HealthChecker(self.registry, self.config.health_interval_s)
         self.pool_stats = PoolStatsPoller(self.registry, self.config.stats_interval_s)
+        self.pipeline.router.transfer_s_per_block = self.pool_stats.seconds_per_block
         await self.watcher.start()
         self.registry.sync(self.watcher.members())
         if self.config.pool_keys_url:
@@ -130,6 +134,8 @@ class Conductor:
             await self.pool_stats.close()
         await self.registry.close()
         await self.provisioner.close()
+        if self.metrics.tracing is not None:
+            self.metrics.tracing.shutdown()
 
     def _finished(self) -> None:
         self.in_flight -= 1
@@ -145,7 +151,8 @@ class Conductor:
     # ---------------------------------------------------------------- one request
 
     async def serve(self, request: Request, chat: bool) -> Response:
-        timer = self.metrics.timer("chat" if chat else "completions")
+        parent = Tracing.parent(request.headers) if self.metrics.tracing is not None else None
+        timer = self.metrics.timer("chat" if chat else "completions", parent)
         try:
             if self.in_flight >= self.config.max_in_flight:
                 raise Overloaded(f"the conductor holds {self.in_flight} requests, its limit; "
@@ -180,7 +187,10 @@ class Conductor:
             request_id, token_ids, params, req.cache_salt or "",
             ttft_slo_s=req.ttft_slo_ms / 1000 if req.ttft_slo_ms is not None else None,
             tbt_slo_s=req.tbt_slo_ms / 1000 if req.tbt_slo_ms is not None else None)
-        outcome = Outcome()
+        timer.timeline.mark("prepared")
+        timer.timeline.attrs.update(request_id=request_id, prompt_tokens=len(token_ids),
+                                    stream=bool(req.stream))
+        outcome = Outcome(timeline=timer.timeline)
         deltas = self.pipeline.run(prep, outcome)
         headers = {"X-Request-Id": request_id}
         # Until the response starts, a disconnect is only noticed by listening for it.

@@ -10,6 +10,7 @@ from conductor.policy import DEFAULT_POLICY
 from conductor.policy import POLICIES as _POLICY_TABLE
 
 POLICIES = tuple(_POLICY_TABLE)
+DISAGGREGATE = ("auto", "always", "never")
 
 
 @dataclass(frozen=True)
@@ -38,11 +39,12 @@ class ConductorConfig:
     meet it."""
     tbt_slo_s: float = 0.3
     """Default time-between-tokens SLO a decode instance must be predicted to keep."""
-    local_prefill_max_tokens: int = 64
-    """Conditional disaggregation: at most this many uncached prompt tokens are prefilled on
-    the decode instance itself, skipping the prefill pool (0: always disaggregate)."""
+    disaggregate: str = "auto"
+    """kv_centric: auto (per request, prefill on another instance or on the decode instance
+    itself, whichever the models say costs less), always (on another one whenever one can:
+    Mooncake's shape), never (always on the decode instance)."""
     pool_gbps: float = 1.0
-    """Pool-to-engine transfer bandwidth (GB/s) the TTFT prediction assumes."""
+    """Pool-to-engine transfer bandwidth (GB/s) assumed until the workers have measured it."""
     index_max_blocks: int = 1_000_000
     """The KV index forgets the least recently stored blocks beyond this many."""
     predicted_ttl_s: float = 10.0
@@ -79,6 +81,10 @@ class ConductorConfig:
     """When set, /v1 routes need `Authorization: Bearer <api_key>` (401 otherwise); /health,
     /metrics and the OpenAPI description stay open. Empty: no key."""
 
+    otel_endpoint: str = ""
+    """OTLP/gRPC collector for request spans (`conductor/tracing.py`); empty: the SDK's
+    `OTEL_EXPORTER_OTLP_ENDPOINT` / `OTEL_TRACES_EXPORTER` environment, else no spans."""
+
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
@@ -93,8 +99,9 @@ class ConductorConfig:
                      "max_in_flight"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-        if self.local_prefill_max_tokens < 0:
-            raise ValueError("local_prefill_max_tokens must be non-negative")
+        if self.disaggregate not in DISAGGREGATE:
+            raise ValueError(f"disaggregate must be one of {DISAGGREGATE}, got "
+                             f"{self.disaggregate!r}")
         if not 0 <= self.admin_port < 65536:
             raise ValueError(f"admin_port out of range: {self.admin_port}")
         if self.admin_token_file:

@@ -13,6 +13,7 @@ import logging
 import os
 import secrets
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -22,9 +23,11 @@ from pathlib import Path
 import httpx
 import structlog
 
+from cluster import shape
 from cluster.etcd_server import EtcdServer
 from cluster.ports import free_port
 from cluster.process import ManagedProcess
+from cluster.shape import Shape
 from cluster.workers import WorkerSpec
 from store.master import StoreClientService, StoreMaster
 
@@ -50,26 +53,34 @@ class ClusterSpec:
     pool_segment_bytes: int = 256 << 20
     lease_ttl: float = 10.0
     policy: str = "kv_centric"
+    both: int = 0
+    shape: Shape | None = None
+    """The engines to start, their roles and cores; None: `prefill` + `decode` + `both`
+    engines with this machine's cores shared out (`cluster.shape`)."""
     worker_env: tuple[tuple[str, str], ...] = ()
+    """Environment of every worker, after its engine's placement."""
     pool_shm: bool = False
     """Workers exchange KV through one standalone `mooncake_client` on this machine (shared
     memory, memcpy) instead of each contributing a TCP segment (see docs/benchmarks.md)."""
-    cpu_binds: tuple[str, ...] = ()
-    """The engines' cores (`VLLM_CPU_OMP_THREADS_BIND`), given to workers in start order and
-    cycled, e.g. ("0-7", "8-15"); empty: `nobind`. Give each engine cores of its own: pinned
-    engines sharing a core starved the Mooncake transfer threads pinned with them here (pool
-    reads stalled for 60 s); to share few cores, leave this empty and set `OMP_NUM_THREADS` in
-    `worker_env` instead (unpinned engines with a thread per core each thrash)."""
     conductor_args: tuple[str, ...] = ()
+    enforce_eager: bool = True
+    """Engines in eager mode (quick to start: tests) or compiled (faster steps: `make run`)."""
     admin_port: int = 0
     """The conductor's admin API on 127.0.0.1 (token in `<run_dir>/admin.token`); 0 picks a
     free port, -1 turns it off."""
 
     def __post_init__(self) -> None:
-        if self.prefill < 0 or self.decode < 0:
+        if self.prefill < 0 or self.decode < 0 or self.both < 0:
             raise ValueError("worker counts must be non-negative")
         if not os.path.isdir(self.model):
             raise ValueError(f"model must be a local model directory: {self.model!r}")
+        if self.shape is None:
+            object.__setattr__(self, "shape", shape.choose(
+                shape.machine_cores(), 0, self.prefill, self.decode, self.both))
+
+    def engines(self) -> int:
+        assert self.shape is not None
+        return len(self.shape.engines)
 
 
 @dataclass
@@ -106,6 +117,10 @@ class EmbeddedCluster:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
+    def describe_shape(self) -> str:
+        assert self.spec.shape is not None
+        return self.spec.shape.describe()
+
     @property
     def admin_addr(self) -> str:
         return f"127.0.0.1:{self.admin_port}"
@@ -125,7 +140,7 @@ class EmbeddedCluster:
                           pool_segment_bytes=s.pool_segment_bytes, lease_ttl=s.lease_ttl,
                           pool_store_client=sc.address if sc else "",
                           pool_store_client_segment=sc.segment_name if sc else "",
-                          env=s.worker_env)
+                          enforce_eager=s.enforce_eager, env=self._serving_env() + s.worker_env)
 
     # -------------------------------------------------------------- start / stop
 
@@ -139,14 +154,14 @@ class EmbeddedCluster:
                                       http_port=s.store_metadata_port or None,
                                       log_path=self.run_dir / "mooncake_master.log").start()
             if s.pool_shm:  # the pool's memory: every worker's share, in one process
-                n = s.prefill + s.decode
+                n = s.engines()
                 self.store_client = StoreClientService(
                     self.master, segment=f"{max(n, 1) * s.pool_segment_bytes >> 20}MB",
                     log_path=self.run_dir / "mooncake_client.log").start()
-            for _ in range(s.prefill):
-                self.start_worker("prefill")
-            for _ in range(s.decode):
-                self.start_worker("decode")
+            assert s.shape is not None
+            log.info("cluster_shape", shape=s.shape.describe())
+            for engine in s.shape.engines:
+                self.start_worker(engine.role, engine)
             self.start_conductor()
             if wait:
                 self.wait_ready(timeout)
@@ -155,13 +170,12 @@ class EmbeddedCluster:
             raise
         return self
 
-    def start_worker(self, role: str) -> WorkerProcess:
+    def start_worker(self, role: str, engine: shape.Engine | None = None) -> WorkerProcess:
+        """One worker; `engine`: its placement (cores, threads), else unbound."""
         n = self._counter.get(role, 0)
         self._counter[role] = n + 1
         instance_id = f"{role}-{n}"
-        binds = self.spec.cpu_binds
-        bind = binds[(sum(self._counter.values()) - 1) % len(binds)] if binds else ""
-        proc, port = self.worker_spec().start(role, instance_id, cpu_bind=bind)
+        proc, port = self.worker_spec().start(role, instance_id, placement=engine)
         wp = WorkerProcess(instance_id, role, port, proc)
         self.workers[instance_id] = wp
         log.info("worker_started", instance_id=instance_id, pid=proc.pid, port=port)
@@ -174,6 +188,10 @@ class EmbeddedCluster:
         else:
             wp.process.stop(timeout=20.0)
 
+    def _serving_env(self) -> tuple[tuple[str, str], ...]:
+        serving = self.spec.shape.serving if self.spec.shape is not None else ""
+        return ((shape.SERVING_CPUS_ENV, serving),) if serving else ()
+
     def start_conductor(self) -> ManagedProcess:
         assert self.etcd is not None
         s = self.spec
@@ -183,7 +201,7 @@ class EmbeddedCluster:
                 "--policy", s.policy]
         if self.master is not None:
             argv += ["--pool-keys-url", self.master.metrics_url.rsplit("/", 1)[0]]
-        env = dict(os.environ)
+        env = dict(os.environ, **dict(self._serving_env()))
         if s.admin_port >= 0:
             self.admin_port = self.admin_port or s.admin_port or free_port()
             if not self.admin_token:
@@ -203,7 +221,7 @@ class EmbeddedCluster:
     def wait_ready(self, timeout: float = 240.0) -> None:
         """Until /health says a prefill and a decode instance are up (or a child died)."""
         deadline = time.monotonic() + timeout
-        need_workers = self.spec.prefill > 0 and self.spec.decode > 0
+        need_workers = self.spec.engines() > 0
         while time.monotonic() < deadline:
             self._check_alive()
             try:
@@ -256,16 +274,23 @@ class EmbeddedCluster:
         self.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
-    from cluster.logging import configure
-    from tinymodel.builder import ensure_model
-
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvcluster", description="Run the embedded cluster.")
     p.add_argument("--model", default=os.environ.get("KVCLUSTER_MODEL", ""),
                    help="local HF model directory (default: the built-in tiny model)")
     p.add_argument("--port", type=int, default=int(os.environ.get("KVCLUSTER_PORT", "8000")))
-    p.add_argument("--prefill", type=int, default=1)
-    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--prefill", type=int, default=None,
+                   help="prefill engines (with --decode/--both: this shape instead of the one "
+                   "chosen for the machine)")
+    p.add_argument("--decode", type=int, default=None, help="decode engines")
+    p.add_argument("--both", type=int, default=None,
+                   help="engines in the both role (the conductor decides per request)")
+    p.add_argument("--disaggregate", choices=("auto", "always", "never"), default="auto",
+                   help="kv_centric: prefill on another engine per the models (auto), "
+                   "whenever possible (always), or never")
+    p.add_argument("--policy", default="kv_centric")
+    p.add_argument("--eager", action="store_true",
+                   help="engines in eager mode: up in ~20 s instead of ~60 s, each step slower")
     p.add_argument("--etcd-port", type=int, default=0)
     p.add_argument("--store-rpc-port", type=int, default=0)
     p.add_argument("--store-metadata-port", type=int, default=0)
@@ -279,15 +304,43 @@ def main(argv: list[str] | None = None) -> int:
                    default=os.environ.get("KVCLUSTER_POOL_SHM", "") in ("1", "true", "yes"),
                    help="KV between workers through one mooncake_client's shared memory "
                    "(memcpy) instead of TCP segments")
-    a = p.parse_args(argv)
-    configure("launcher")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    return p
+
+
+def spec_from_args(argv: list[str] | None = None) -> ClusterSpec:
+    """The cluster `python -m conductor.launcher ARGV` (and so `make run`) starts."""
+    from tinymodel.builder import ensure_model
+
+    a = parser().parse_args(argv)
     model = a.model or str(ensure_model())
-    spec = ClusterSpec(model=model, prefill=a.prefill, decode=a.decode, http_port=a.port,
+    plan = shape.choose(shape.machine_cores(), _gpus(), a.prefill, a.decode, a.both)
+    return ClusterSpec(model=model, prefill=plan.count("prefill"), decode=plan.count("decode"),
+                       both=plan.count("both"), shape=plan, http_port=a.port,
                        etcd_port=a.etcd_port, store_rpc_port=a.store_rpc_port,
                        store_metadata_port=a.store_metadata_port, run_dir=a.run_dir,
                        block_size=a.block_size, max_model_len=a.max_model_len,
-                       admin_port=a.admin_port, pool_shm=a.pool_shm)
+                       admin_port=a.admin_port, pool_shm=a.pool_shm, policy=a.policy,
+                       conductor_args=("--disaggregate", a.disaggregate),
+                       enforce_eager=a.eager)
+
+
+def _gpus() -> int:
+    """GPUs `nvidia-smi` sees (as the Makefile decides which vLLM build to install)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.stdout.splitlines()) \
+        if out.returncode == 0 else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from cluster.logging import configure
+
+    spec = spec_from_args(argv)
+    configure("launcher")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    model = spec.model
     cluster = EmbeddedCluster(spec)
     stopping = False
 
@@ -305,12 +358,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"starting the embedded cluster (logs in {cluster.run_dir}/) ...", flush=True)
         cluster.start()
         name = os.path.basename(model.rstrip("/"))
-        print(f"\nkvcluster is serving {name} at {cluster.url}\n\n"
+        print(f"\nkvcluster is serving {name} at {cluster.url}\n"
+              f"  shape: {cluster.describe_shape()}\n\n"
               f"  curl {cluster.url}/v1/completions -H 'Content-Type: application/json' \\\n"
               f"    -d '{{\"model\": \"{name}\", \"prompt\": \"The quick brown fox\", "
               f"\"max_tokens\": 16, \"temperature\": 0}}'\n\n"
               + (f"  conductorctl --addr {cluster.admin_addr} instances   "
-                 f"(token: {cluster.token_file})\n\n" if a.admin_port >= 0 else "")
+                 f"(token: {cluster.token_file})\n\n" if spec.admin_port >= 0 else "")
               + "Ctrl-C stops every process.", flush=True)
         while True:
             time.sleep(1.0)

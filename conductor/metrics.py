@@ -13,11 +13,15 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import structlog
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from conductor.pool_stats import PoolCollector
+from conductor.timeline import STAGES, Timeline
+
+log = structlog.get_logger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 CLIENT_CLOSED = "499"
@@ -25,6 +29,8 @@ CLIENT_CLOSED = "499"
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015,
+                  0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075,
                 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 
@@ -65,6 +71,13 @@ class Metrics:
         self.migrations_total = Counter("kvcluster_stream_migrations", "Decode streams "
                                         "continued on another instance after theirs failed.",
                                         registry=r)
+        self.stage = Histogram("kvcluster_stage_seconds", "Where requests' time goes, by "
+                               "stage of the request timeline (conductor/timeline.py).",
+                               ["stage"], buckets=_STAGE_BUCKETS, registry=r)
+        for name in STAGES:
+            self.stage.labels(name)
+        self.tracing = None
+        """A `conductor.tracing.Tracing` when spans are exported."""
         self.totals = {"prompt": 0, "local": 0, "pool": 0}
         r.register(_ClusterCollector(instances, self.totals))
         r.register(PoolCollector(pool))
@@ -90,32 +103,48 @@ class Metrics:
     def migration(self) -> None:
         self.migrations_total.inc()
 
-    def timer(self, endpoint: str) -> RequestTimer:
-        return RequestTimer(self, endpoint)
+    def timer(self, endpoint: str, parent: Any = None) -> RequestTimer:
+        """`parent`: the caller's trace context, for the request's span."""
+        return RequestTimer(self, endpoint, parent)
+
+    def timeline(self, tl: Timeline, status: int | str, parent: Any = None) -> None:
+        """A finished request's timeline: the stage histogram, a log line, its spans."""
+        stages = tl.stages()
+        for name, seconds in stages.items():
+            self.stage.labels(name).observe(seconds)
+        log.info("timeline", status=status, **tl.attrs,
+                 **{f"{k}_ms": round(v * 1e3, 3) for k, v in stages.items()})
+        if self.tracing is not None:
+            self.tracing.export(tl, status, parent)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class RequestTimer:
-    """One request's clock: arrival, first token, each next token, the end."""
+    """One request's clock: arrival, first token, each next token, the end; and its
+    timeline (`conductor.timeline`), finished with it."""
 
-    __slots__ = ("_m", "endpoint", "t0", "_last", "done", "on_finish")
+    __slots__ = ("_m", "endpoint", "t0", "_last", "done", "on_finish", "timeline", "parent")
 
-    def __init__(self, metrics: Metrics, endpoint: str) -> None:
+    def __init__(self, metrics: Metrics, endpoint: str, parent: Any = None) -> None:
         self._m = metrics
         self.endpoint = endpoint
         self.t0 = time.perf_counter()
         self._last = 0.0
         self.done = False
         self.on_finish: Callable[[], None] | None = None
+        self.timeline = Timeline()
+        self.parent = parent
 
     def tokens(self, n: int) -> None:
         if n <= 0:
             return
         now = time.perf_counter()
+        self.timeline.mark("last_token")
         if not self._last:
             self._m.ttft.observe(now - self.t0)
+            self.timeline.mark("first_token")
         else:
             gap = (now - self._last) / n
             for _ in range(n):
@@ -132,6 +161,7 @@ class RequestTimer:
             self.on_finish()
         self._m.requests.labels(self.endpoint, str(status)).inc()
         self._m.e2e.observe(time.perf_counter() - self.t0)
+        self._m.timeline(self.timeline, status, self.parent)
 
 
 class _ClusterCollector(Collector):

@@ -1,38 +1,54 @@
-"""One request through the cluster: tokenize, route, prefill, decode, stream back.
+"""One request through the cluster: route, prefill beside decode, stream back.
+
+A disaggregated route starts the Prefill RPC and the decode's Generate stream together: the
+decode engine loads the prompt's blocks as the prefill writes them into the pool (waiting for
+them off its scheduler thread, bounded; what does not arrive is recomputed). A route with one
+instance skips the Prefill RPC: that instance computes what the pool cannot give it. Either
+way the worker is told what the pool holds (`PoolWait`), so no engine asks the pool on its
+scheduler thread. Failures go to `conductor.resilience`.
 
 The pipeline yields typed `Delta`s; the HTTP layer turns them into OpenAI JSON or SSE.
-Cancelling the iterator (a client that went away) cancels the worker RPC in flight, and the
-worker aborts its engine request.
+Cancelling the iterator (a client that went away) cancels the worker RPCs in flight, and the
+workers abort their engine requests.
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
+import contextlib
 import time
 from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass, field, replace
-from typing import Protocol
 
 import grpc
 import structlog
 
 from conductor.config import ConductorConfig
-from conductor.errors import (
-    ConductorError,
-    InvalidRequest,
-    NoCapacity,
-    Timeout,
-    UpstreamFailed,
-    from_worker_status,
-)
+from conductor.deltas import Delta, from_chunk
+from conductor.errors import ConductorError, InvalidRequest, NoCapacity, Timeout, UpstreamFailed
 from conductor.registry import Instance, Registry
+from conductor.resilience import (
+    UNREACHABLE,
+    Next,
+    PrefillFailure,
+    Recovery,
+    ResilienceMetrics,
+    WorkerFailure,
+    cancelled_by_us,
+    left,
+    rpc_failure,
+)
 from conductor.scheduler.router import Dispatch, Router
+from conductor.timeline import Timeline
 from conductor.tokenizer import Tokenizer
 from protos import worker_pb2
-from store.block_hash import block_hashes, extend_hashes
+from store.block_hash import block_hashes
 
 log = structlog.get_logger(__name__)
+
+WAIT_MARGIN_S = 0.5
+"""A decode waits for a concurrent prefill's blocks up to twice its predicted TTFT plus this."""
+POOL_READY_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -50,33 +66,6 @@ class Prepared:
     ttft_slo_s: float | None = None
     tbt_slo_s: float | None = None
     """This request's SLOs; None: the conductor's."""
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    """One position's logprobs: the chosen (or prompt) token's, and the top candidates'."""
-
-    token_id: int
-    token: str
-    logprob: float | None
-    """None for the first prompt token, which has no logprob."""
-    top: tuple[tuple[str, float], ...]
-    """The chosen token first, then the top-k, as the engine ranked them."""
-
-
-@dataclass(slots=True)
-class Delta:
-    """New output of one choice (`index` < n) since its previous delta."""
-
-    index: int = 0
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    """The stop string or token id that ended the choice (None: EOS, length, ...)."""
-    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
-    """When asked (echo with logprobs): one per prompt token, the first None."""
 
 
 @dataclass
@@ -100,14 +89,8 @@ class Outcome:
     """Fall-backs taken (prefill_on_decode)."""
     migrations: int = 0
     """Times the stream moved to another decode instance."""
-
-
-class ResilienceMetrics(Protocol):
-    """Where the pipeline counts the failure paths it took (`conductor.metrics.Metrics`)."""
-
-    def retry(self, stage: str) -> None: ...
-    def fallback(self, kind: str) -> None: ...
-    def migration(self) -> None: ...
+    timeline: Timeline = field(default_factory=Timeline)
+    """Where the request's time went (`conductor.timeline`)."""
 
 
 class Pipeline:
@@ -151,129 +134,240 @@ class Pipeline:
                                  prep.max_tokens, prep.block_size, prep.cache_salt,
                                  prep.ttft_slo_s, prep.tbt_slo_s, exclude)
 
-    async def run(self, prep: Prepared, outcome: Outcome) -> AsyncIterator[Delta]:
-        """Prefill on one instance, then stream the decode from another; a route with one
-        instance (conditional disaggregation) skips the Prefill RPC: the decode instance
-        computes the short uncached part itself.
+    # ------------------------------------------------------------------ one request
 
-        Failures of an instance (not of the request: a 4xx is never retried) are survived:
-        a failed prefill is retried on another prefill instance, or left to the decode
-        instance; a decode failing before its first token is retried elsewhere; a stream
-        broken after it continues on another decode instance from the tokens already sent
-        (the prompt's KV is in the pool, so the new instance computes little). Each path
-        counts in `outcome` and logs a marker; every retry waits a jittered backoff."""
+    async def run(self, prep: Prepared, outcome: Outcome) -> AsyncIterator[Delta]:
+        """Route, prefill beside decode, stream; survive what `conductor.resilience` can."""
         outcome.prompt_tokens = len(prep.token_ids)
         deadline = time.monotonic() + self.config.request_timeout_s
-        exclude: set[str] = set()
-        sent: list[int] = []  # choice 0's tokens streamed so far
-        current = prep
-        broken: WorkerFailure | None = None  # the failure a continuation recovers from
-        done = False  # choice 0 finished: a failure after that loses nothing
-        last: WorkerFailure | None = None  # the latest failure: the answer if nothing else runs
+        rec = Recovery(prep, outcome, self.metrics)
+        alone: Instance | None = None  # after a prefill failure: this instance computes it all
         while True:
+            dispatch = self._dispatch(rec, alone)
             try:
-                dispatch = self.route(current, exclude)
-            except ConductorError:
-                if last is not None:  # nowhere else to go: the failure itself is the answer
-                    raise last.error from None
-                raise
-            prefill, decode = dispatch.prefill, dispatch.decode
-            if broken is not None:
-                outcome.migrations += 1
-                if self.metrics is not None:
-                    self.metrics.migration()
-                log.warning("stream_migrated", request_id=prep.request_id,
-                            failed=broken.instance, to=decode.info.instance_id,
-                            tokens_sent=len(sent), error=broken.code.name)
-                broken = None
-            outcome.prefill_instance = prefill.info.instance_id
-            outcome.decode_instance = decode.info.instance_id
-            try:
-                if dispatch.route.disaggregated:
-                    try:
-                        await self._prefill(prefill, current, outcome, dispatch)
-                    except WorkerFailure as f:
-                        exclude.add(self._failed(f, dispatch))
-                        last = f
-                        if self._others(prefill, exclude) and outcome.retries < MAX_RETRIES:
-                            await self._retry(outcome, "prefill", current.request_id, f)
-                            continue
-                        outcome.fallbacks.append("prefill_on_decode")
-                        if self.metrics is not None:
-                            self.metrics.fallback("prefill_on_decode")
-                        log.warning("fallback_prefill_on_decode", request_id=prep.request_id,
-                                    failed=f.instance, decode=decode.info.instance_id)
-                first = True
-                async for delta in self._decode(decode, current, outcome, deadline,
-                                                first_call=not sent and not outcome.migrations):
-                    if first:
-                        dispatch.first_token()
-                        first = False
-                    dispatch.tokens(delta.token_ids, record=delta.index == 0)
-                    if delta.index == 0:
-                        sent.extend(delta.token_ids)
-                        done = done or delta.finish_reason is not None
+                async for delta in self._serve(dispatch, rec, deadline):
                     yield delta
-                self.registry.call_succeeded(decode.info.instance_id)
-                dispatch.decode_done()
                 return
             except WorkerFailure as f:
-                exclude.add(self._failed(f, dispatch))
-                last = f
-                if done and (prep.params.n or 1) == 1:
+                step = rec.decide(f, self._other_prefill(dispatch.prefill, rec.exclude))
+                if step is Next.DONE:
                     return
-                if not sent and outcome.retries < MAX_RETRIES:
-                    await self._retry(outcome, "decode", current.request_id, f)
-                    continue
-                if sent and outcome.migrations < MAX_MIGRATIONS and _continuable(prep):
-                    current = self._continued(prep, sent, outcome.migrations + 1)
-                    broken = f
-                    continue
-                raise f.error from None
+                alone = dispatch.decode if step is Next.FALLBACK else None
+                if step is Next.RETRY:
+                    await rec.backoff()
             finally:
                 dispatch.release()
 
-    def _failed(self, f: WorkerFailure, dispatch: Dispatch) -> str:
-        """A failure of the instance: count it in its breaker, withdraw what the request was
-        predicted to leave there; the instance to avoid. A failure of the request itself (the
-        worker refused it: a 4xx) is raised as its answer."""
-        if not f.retryable:
-            raise f.error from None
-        dispatch.withdraw(f.instance)
-        self.registry.call_failed(f.instance, fatal=f.code in _UNREACHABLE,
-                                  cooldown_s=self.config.breaker_cooldown_s)
-        return f.instance
+    def _dispatch(self, rec: Recovery, alone: Instance | None) -> Dispatch:
+        assert rec.current is not None
+        prep = rec.current
+        try:
+            if alone is not None:
+                dispatch = self.router.pin(prep.request_id, prep.token_ids, prep.block_hashes,
+                                           prep.max_tokens, prep.block_size, prep.cache_salt,
+                                           alone)
+            else:
+                dispatch = self.route(prep, rec.exclude)
+        except ConductorError as e:
+            rec.no_route(e)
+            raise
+        rec.routed(dispatch.decode.instance_id)
+        o = rec.outcome
+        o.prefill_instance = dispatch.prefill.instance_id
+        o.decode_instance = dispatch.decode.instance_id
+        o.timeline.mark("routed")
+        o.timeline.attrs.update(prefill=o.prefill_instance, decode=o.decode_instance,
+                                disaggregated=dispatch.route.disaggregated)
+        return dispatch
 
-    def _others(self, inst: Instance, exclude: set[str]) -> bool:
+    async def _serve(self, dispatch: Dispatch, rec: Recovery, deadline: float
+                     ) -> AsyncIterator[Delta]:
+        """The prefill (when the route has one) as a task beside the decode stream."""
+        assert rec.current is not None
+        prep, outcome = rec.current, rec.outcome
+        prefill: asyncio.Task | None = None
+        if dispatch.route.disaggregated:
+            prefill = asyncio.create_task(self._prefill(dispatch, prep, outcome, ready=True))
+            wait = worker_pb2.PoolWait(blocks=len(prep.token_ids) // prep.block_size,
+                                       wait_s=self._wait_s(dispatch), hold=True)
+        else:
+            wait = worker_pb2.PoolWait(blocks=dispatch.pool_blocks)
+        try:
+            first = True
+            async for delta in self._decode(dispatch.decode, prep, outcome, deadline, wait,
+                                            prefill, first_call=not rec.sent
+                                            and not outcome.migrations):
+                if first:
+                    dispatch.first_token()
+                    first = False
+                dispatch.tokens(delta.token_ids, record=delta.index == 0)
+                rec.streamed(delta)
+                yield delta
+            self.registry.call_succeeded(dispatch.decode.instance_id)
+            dispatch.decode_done()
+        except WorkerFailure as f:
+            if not isinstance(f, PrefillFailure):
+                self._count_failure(f, dispatch)
+            raise
+        finally:
+            if prefill is not None:
+                await _settle(prefill)
+
+    def _wait_s(self, dispatch: Dispatch) -> float:
+        predicted = dispatch.route.predicted_ttft_s
+        return min(2 * predicted + WAIT_MARGIN_S, self.config.prefill_timeout_s)
+
+    def _count_failure(self, f: WorkerFailure, dispatch: Dispatch) -> None:
+        """An instance failed (not the request): its breaker counts it, and what the request
+        was predicted to leave there is withdrawn."""
+        if not f.retryable:
+            return
+        dispatch.withdraw(f.instance)
+        self.registry.call_failed(f.instance, fatal=f.code in UNREACHABLE,
+                                  cooldown_s=self.config.breaker_cooldown_s)
+
+    def _other_prefill(self, inst: Instance, exclude: set[str]) -> bool:
         """Another routable prefill-capable instance than `inst` is up."""
         return any(i.routable and i.instance_id not in exclude and i.role != "decode"
                    for i in self.registry.all() if i is not inst)
 
-    async def _retry(self, outcome: Outcome, stage: str, request_id: str,
-                     f: WorkerFailure) -> None:
-        if self.metrics is not None:
-            self.metrics.retry(stage)
-        outcome.retries += 1
-        outcome.retried.append(stage)
-        log.warning("retry", request_id=request_id, stage=stage, failed=f.instance,
-                    error=f.code.name, attempt=outcome.retries)
-        await asyncio.sleep(min(BACKOFF_S * 2 ** (outcome.retries - 1), 1.0)
-                            * random.uniform(0.5, 1.5))
+    # ------------------------------------------------------------------ the calls
 
-    def _continued(self, prep: Prepared, sent: list[int], n: int) -> Prepared:
-        """The rest of a broken stream as a request of its own: the prompt and the tokens
-        already sent, for the tokens still owed."""
-        p = worker_pb2.SamplingParams()
-        p.CopyFrom(prep.params)
-        p.max_tokens = prep.params.max_tokens - len(sent)
-        p.min_tokens = max(prep.params.min_tokens - len(sent), 0)
-        tokens = prep.token_ids + sent
-        return replace(prep, request_id=f"{prep.request_id}-m{n}", token_ids=tokens,
-                       max_tokens=p.max_tokens, params=p,
-                       block_hashes=prep.block_hashes + tuple(extend_hashes(
-                           prep.block_hashes[-1] if prep.block_hashes else None,
-                           prep.token_ids[len(prep.block_hashes) * prep.block_size:] + sent,
-                           prep.block_size, prep.cache_salt)))
+    async def _prefill_rpc(self, inst: Instance, prep: Prepared, pool_blocks: int = 0
+                           ) -> worker_pb2.PrefillReply:
+        iid = inst.info.instance_id
+        try:
+            reply = await inst.stub.Prefill(
+                worker_pb2.PrefillRequest(request_id=prep.request_id, token_ids=prep.token_ids,
+                                          cache_salt=prep.cache_salt,
+                                          pool_wait=worker_pb2.PoolWait(blocks=pool_blocks)),
+                timeout=self.config.prefill_timeout_s,
+            )
+        except grpc.aio.AioRpcError as e:
+            raise rpc_failure(e, iid, "prefill") from None
+        except grpc.aio.UsageError:  # its channel closed: it left after we chose it
+            raise left(iid, "prefill") from None
+        except asyncio.CancelledError:
+            if cancelled_by_us():
+                raise
+            raise left(iid, "prefill") from None
+        self.registry.call_succeeded(iid)
+        return reply
+
+    async def _prefill(self, dispatch: Dispatch, prep: Prepared, outcome: Outcome,
+                       ready: bool = False) -> None:
+        """The Prefill RPC of a disaggregated route; a failure counts against its instance.
+        `ready`: then tell the decode instance, which holds the request until then."""
+        tl = outcome.timeline
+        tl.mark("prefill_sent")
+        try:
+            reply = await self._prefill_rpc(dispatch.prefill, prep, dispatch.pool_blocks)
+        except WorkerFailure as f:
+            self._count_failure(f, dispatch)
+            raise
+        tl.mark("prefill_done")
+        tl.engine("prefill", reply.times)
+        dispatch.prefill_done(reply.num_prompt_tokens, reply.num_cached_tokens,
+                              reply.blocks_in_pool, reply.engine_seconds)
+        outcome.blocks_saved = reply.blocks_saved
+        outcome.blocks_in_pool = reply.blocks_in_pool
+        log.info("prefilled", request_id=prep.request_id, instance=dispatch.prefill.instance_id,
+                 blocks_saved=reply.blocks_saved, cached_tokens=reply.num_cached_tokens,
+                 seconds=round(reply.engine_seconds, 4))
+        if ready:
+            await self._pool_ready(dispatch.decode, prep.request_id)
+
+    async def _pool_ready(self, inst: Instance, request_id: str) -> None:
+        """Release the decode held for this prefill; if the call fails, the decode instance
+        releases it itself after its wait (and computes what did not arrive)."""
+        try:
+            await inst.stub.PoolReady(worker_pb2.PoolReadyRequest(request_id=request_id),
+                                      timeout=POOL_READY_TIMEOUT_S)
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
+            log.warning("pool_ready_failed", request_id=request_id,
+                        instance=inst.info.instance_id, error=repr(e))
+
+    async def _decode(self, inst: Instance, prep: Prepared, outcome: Outcome, deadline: float,
+                      wait: worker_pb2.PoolWait, prefill: asyncio.Task | None,
+                      first_call: bool = True) -> AsyncIterator[Delta]:
+        """The decode stream as deltas; WorkerFailure when the instance fails it, and
+        PrefillFailure when `prefill` (running beside it) fails before its first chunk.
+        `first_call`: the request's first decode (a continuation keeps the usage figures)."""
+        iid = inst.info.instance_id
+        tl = outcome.timeline
+        tl.mark("decode_sent")
+        try:
+            call = inst.stub.Generate(
+                worker_pb2.GenerateRequest(request_id=prep.request_id, token_ids=prep.token_ids,
+                                           params=prep.params, cache_salt=prep.cache_salt,
+                                           pool_wait=wait),
+                timeout=max(deadline - time.monotonic(), 0.001),
+            )
+        except grpc.aio.UsageError:  # its channel closed: it left after we chose it (its
+            # lease lapsed while the prefill ran); new calls are refused, calls in flight go on
+            raise left(iid, "decode") from None
+        unfinished = set(range(prep.params.n or 1))
+        held: list[worker_pb2.TokenLogprobs] = []  # prompt logprobs of steps without output
+        try:
+            chunk = await self._first_chunk(call, prefill, iid)
+            tl.mark("first_chunk")
+            first = True
+            while chunk is not grpc.aio.EOF:
+                timed = chunk.HasField("times")
+                if timed:
+                    tl.engine("decode", chunk.times)
+                # the first chunk says what the engine did not compute, the worker's last one
+                # (with its times) corrects it for blocks whose load failed
+                if first_call and (first or (timed and chunk.finish_reason)):
+                    outcome.cached_tokens = chunk.num_cached_tokens
+                first = False
+                outcome.completion_tokens += len(chunk.token_ids)
+                if chunk.finish_reason:
+                    unfinished.discard(chunk.index)
+                    outcome.blocks_loaded = max(outcome.blocks_loaded, chunk.blocks_loaded)
+                if chunk.token_ids or chunk.finish_reason:
+                    yield from_chunk(chunk, held)
+                    held = []
+                else:
+                    held += chunk.prompt_logprobs
+                chunk = await call.read()
+            if unfinished:
+                raise WorkerFailure(iid, grpc.StatusCode.UNKNOWN, UpstreamFailed(
+                    f"decode on {iid} ended before choices {sorted(unfinished)} finished"))
+        except grpc.aio.AioRpcError as e:
+            raise rpc_failure(e, iid, "decode") from None
+        except asyncio.CancelledError:
+            if cancelled_by_us():
+                raise
+            raise left(iid, "decode") from None
+        finally:
+            call.cancel()
+
+    async def _first_chunk(self, call: grpc.aio.UnaryStreamCall, prefill: asyncio.Task | None,
+                           iid: str) -> worker_pb2.GenerateChunk:
+        """The stream's first chunk, within `first_token_timeout_s`; PrefillFailure as soon as
+        the prefill beside it fails first (the decode would wait for its blocks in vain)."""
+        read = asyncio.ensure_future(call.read())
+        try:
+            async with asyncio.timeout(self.config.first_token_timeout_s):
+                while True:
+                    waits = {read} if prefill is None or prefill.done() else {read, prefill}
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                    if read.done():
+                        return read.result()
+                    assert prefill is not None
+                    failure = prefill.exception()
+                    if isinstance(failure, WorkerFailure):
+                        raise PrefillFailure.of(failure)
+                    if failure is not None:
+                        raise failure
+        except TimeoutError:
+            raise WorkerFailure(iid, grpc.StatusCode.DEADLINE_EXCEEDED, Timeout(
+                "no first token from the decode instance in time",
+                code="first_token_timeout")) from None
+        finally:
+            if not read.done():
+                read.cancel()
 
     async def prewarm(self, prep: Prepared, instances: list[str]) -> Outcome:
         """Prefill `prep` where the policy would (its blocks go to the pool), then on each of
@@ -290,7 +384,7 @@ class Pipeline:
         if dispatch.decode is not dispatch.prefill:  # no decode follows: nothing lands there
             dispatch.withdraw(dispatch.decode.instance_id)
         try:
-            await self._prefill(dispatch.prefill, prep, outcome, dispatch)
+            await self._prefill(dispatch, prep, outcome)
         except WorkerFailure as f:
             raise f.error from None
         finally:
@@ -300,7 +394,7 @@ class Pipeline:
         for n, inst in enumerate(t for t in targets if t is not dispatch.prefill):
             one = replace(prep, request_id=f"{prep.request_id}-{n}")
             try:
-                reply = await self._prefill_rpc(inst, one)
+                reply = await self._prefill_rpc(inst, one, dispatch.pool_blocks)
             except WorkerFailure as f:
                 raise f.error from None
             saved += reply.blocks_saved
@@ -309,170 +403,11 @@ class Pipeline:
         outcome.blocks_saved = saved
         return outcome
 
-    async def _prefill_rpc(self, inst: Instance, prep: Prepared) -> worker_pb2.PrefillReply:
-        try:
-            reply = await inst.stub.Prefill(
-                worker_pb2.PrefillRequest(request_id=prep.request_id, token_ids=prep.token_ids,
-                                          cache_salt=prep.cache_salt),
-                timeout=self.config.prefill_timeout_s,
-            )
-        except grpc.aio.AioRpcError as e:
-            raise _failure(e, inst, "prefill") from None
-        except grpc.aio.UsageError:  # its channel closed: it left after we chose it
-            raise _left(inst, "prefill") from None
-        except asyncio.CancelledError:
-            if _cancelled_by_us():
-                raise
-            raise _left(inst, "prefill") from None
-        self.registry.call_succeeded(inst.info.instance_id)
-        return reply
 
-    async def _prefill(self, inst: Instance, prep: Prepared, outcome: Outcome,
-                       dispatch: Dispatch) -> None:
-        t0 = time.perf_counter()
-        reply = await self._prefill_rpc(inst, prep)
-        dispatch.prefill_done(reply.num_prompt_tokens, reply.num_cached_tokens,
-                              reply.blocks_in_pool, reply.engine_seconds)
-        outcome.blocks_saved = reply.blocks_saved
-        outcome.blocks_in_pool = reply.blocks_in_pool
-        log.info("prefilled", request_id=prep.request_id, instance=inst.info.instance_id,
-                 blocks_saved=reply.blocks_saved, cached_tokens=reply.num_cached_tokens,
-                 seconds=round(time.perf_counter() - t0, 4))
-
-    async def _decode(self, inst: Instance, prep: Prepared, outcome: Outcome, deadline: float,
-                      first_call: bool = True) -> AsyncIterator[Delta]:
-        """The decode stream as deltas; WorkerFailure when the instance fails it.
-        `first_call`: the request's first decode (a continuation keeps the usage figures)."""
-        try:
-            call = inst.stub.Generate(
-                worker_pb2.GenerateRequest(request_id=prep.request_id, token_ids=prep.token_ids,
-                                           params=prep.params, cache_salt=prep.cache_salt),
-                timeout=max(deadline - time.monotonic(), 0.001),
-            )
-        except grpc.aio.UsageError:  # its channel closed: it left after we chose it (its
-            # lease lapsed while the prefill ran); new calls are refused, calls in flight go on
-            raise _left(inst, "decode") from None
-        unfinished = set(range(prep.params.n or 1))
-        held: list[worker_pb2.TokenLogprobs] = []  # prompt logprobs of steps without output
-        try:
-            first = True
-            while True:
-                wait = self.config.first_token_timeout_s if first else None
-                try:
-                    async with asyncio.timeout(wait):
-                        chunk = await call.read()
-                except TimeoutError:
-                    raise WorkerFailure(inst.info.instance_id, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                        Timeout("no first token from the decode instance in "
-                                                "time", code="first_token_timeout")) from None
-                if chunk is grpc.aio.EOF:
-                    break
-                if first:
-                    if first_call:
-                        outcome.cached_tokens = chunk.num_cached_tokens
-                    first = False
-                outcome.completion_tokens += len(chunk.token_ids)
-                if chunk.finish_reason:
-                    unfinished.discard(chunk.index)
-                    outcome.blocks_loaded = max(outcome.blocks_loaded, chunk.blocks_loaded)
-                elif not chunk.token_ids:
-                    held += chunk.prompt_logprobs
-                    continue
-                yield _delta(chunk, held)
-                held = []
-            if unfinished:
-                raise WorkerFailure(inst.info.instance_id, grpc.StatusCode.UNKNOWN, UpstreamFailed(
-                    f"decode on {inst.info.instance_id} ended before choices "
-                    f"{sorted(unfinished)} finished"))
-        except grpc.aio.AioRpcError as e:
-            raise _failure(e, inst, "decode") from None
-        except asyncio.CancelledError:
-            if _cancelled_by_us():
-                raise
-            raise _left(inst, "decode") from None
-        finally:
-            call.cancel()
-
-
-def _delta(chunk: worker_pb2.GenerateChunk, held: list[worker_pb2.TokenLogprobs]) -> Delta:
-    d = Delta(index=chunk.index, text=chunk.text, token_ids=list(chunk.token_ids),
-              finish_reason=chunk.finish_reason or None)
-    which = chunk.WhichOneof("stop_reason")
-    if which is not None:
-        d.stop_reason = getattr(chunk, which)
-    if chunk.top_logprobs:
-        d.logprobs = [_logprob(t, top) for t, top in zip(chunk.token_ids, chunk.top_logprobs,
-                                                         strict=False)]
-    if held or chunk.prompt_logprobs:
-        d.prompt_logprobs = [_logprob(None, top) if top.top else None
-                             for top in (*held, *chunk.prompt_logprobs)]
-    return d
-
-
-def _logprob(token_id: int | None, top: worker_pb2.TokenLogprobs) -> TokenLogprob:
-    """The wire's list holds the chosen token first (for a prompt position: the prompt's)."""
-    entries = top.top
-    if not entries:
-        return TokenLogprob(token_id or 0, "", None, ())
-    own = entries[0]
-    if token_id is not None and own.token_id != token_id:
-        own = next((e for e in entries if e.token_id == token_id), own)
-    return TokenLogprob(own.token_id, own.token, own.logprob,
-                        tuple((e.token, e.logprob) for e in entries))
-
-
-MAX_RETRIES = 2
-"""Retries per request (prefill elsewhere, decode before its first token elsewhere)."""
-MAX_MIGRATIONS = 2
-"""Times one stream may move to another decode instance."""
-BACKOFF_S = 0.05
-"""First retry's backoff; doubled per retry, capped at 1 s, jittered by ±50%."""
-
-_RETRYABLE = frozenset({
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-})
-"""Failures of the instance, not of the request (CANCELLED: its channel was closed as it
-left the cluster; our own cancellations arrive as CancelledError instead)."""
-_UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
-"""Failures that open the instance's breaker at once."""
-
-
-class WorkerFailure(Exception):
-    """A worker call failed; `error` is what the client gets if nothing else works."""
-
-    def __init__(self, instance: str, code: grpc.StatusCode, error: ConductorError) -> None:
-        super().__init__(error.message)
-        self.instance = instance
-        self.code = code
-        self.error = error
-        self.retryable = code in _RETRYABLE
-
-
-def _continuable(prep: Prepared) -> bool:
-    """A broken stream can go on elsewhere: one choice, no prompt logprobs to resend."""
-    p = prep.params
-    return (p.n or 1) == 1 and not p.HasField("prompt_logprobs")
-
-
-def _cancelled_by_us() -> bool:
-    """A CancelledError out of a worker call is ours (the client went away) when this task is
-    being cancelled; otherwise grpc.aio cancelled the call itself because the channel to an
-    instance that left the cluster closed under it (no AioRpcError then)."""
-    task = asyncio.current_task()
-    return task is None or task.cancelling() > 0
-
-
-def _left(inst: Instance, stage: str) -> WorkerFailure:
-    log.warning("worker_rpc_failed", instance=inst.info.instance_id, stage=stage,
-                code="CANCELLED", details="channel closed: the instance left the cluster")
-    return WorkerFailure(inst.info.instance_id, grpc.StatusCode.CANCELLED, UpstreamFailed(
-        f"{stage} on {inst.info.instance_id}: the instance left the cluster"))
-
-
-def _failure(e: grpc.aio.AioRpcError, inst: Instance, stage: str) -> WorkerFailure:
-    log.warning("worker_rpc_failed", instance=inst.info.instance_id, stage=stage,
-                code=e.code().name, details=e.details())
-    return WorkerFailure(inst.info.instance_id, e.code(), from_worker_status(
-        e.code(), f"{stage} on {inst.info.instance_id}: {e.details()}"))
+async def _settle(task: asyncio.Task) -> None:
+    """A prefill task the decode no longer waits for: cancelled if still running (the client
+    went away, or the decode ended first), its failure already counted."""
+    if not task.done():
+        task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, WorkerFailure):
+        await task

@@ -52,6 +52,15 @@ class PoolStatsPoller(PerInstance):
         super().instance_left(inst)
         self.latest.pop(inst.instance_id, None)
 
+    def seconds_per_block(self, min_blocks: int = 64) -> float | None:
+        """The pool's measured time per block moved (loads and saves of every engine, their
+        batches' fixed costs included); None until `min_blocks` were moved."""
+        blocks = seconds = 0.0
+        for s in self.latest.values():
+            blocks += s.blocks_loaded + s.blocks_written
+            seconds += s.load.sum_seconds + s.save.sum_seconds
+        return seconds / blocks if blocks >= min_blocks else None
+
     async def _run(self, inst: Instance) -> None:
         loop = asyncio.get_running_loop()
         while True:

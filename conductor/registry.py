@@ -14,7 +14,7 @@ from typing import Protocol
 import grpc
 import structlog
 
-from cluster.instance import InstanceInfo
+from cluster.instance import InstanceInfo, cpu_list
 from conductor.scheduler.load import LoadState
 from conductor.snapshot import ClusterSnapshot, InstanceLoad, SchedulerParams
 from protos import worker_pb2_grpc
@@ -124,8 +124,10 @@ class Registry:
         for iid, info in members.items():
             if iid not in self._instances:
                 channel = grpc.aio.insecure_channel(info.address)
-                inst = Instance(info, channel, worker_pb2_grpc.WorkerStub(channel),
-                                LoadState(iid, info.role, info.block_size, info.capacity_tokens))
+                load = LoadState(iid, info.role, info.block_size, info.capacity_tokens)
+                load.host, load.threads = info.host, info.threads
+                load.cores, load.gpus = cpu_list(info.cpus), cpu_list(info.gpus)
+                inst = Instance(info, channel, worker_pb2_grpc.WorkerStub(channel), load)
                 inst.load.on_change = self._dirty.add
                 self._instances[iid] = inst
                 self._snap = None

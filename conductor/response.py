@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from conductor.deltas import Delta, TokenLogprob
 from conductor.errors import ConductorError, error_body
-from conductor.pipeline import Delta, Outcome, TokenLogprob
+from conductor.pipeline import Outcome
 
 log = structlog.get_logger(__name__)
 

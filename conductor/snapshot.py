@@ -41,6 +41,13 @@ class InstanceLoad:
     """Predicted finish times of its decode requests, ascending (monotonic seconds)."""
     cached_blocks: int = 0
     """Blocks the index holds for its local cache."""
+    host: str = ""
+    cores: frozenset[int] = frozenset()
+    """The cores its engine computes on (CPU); empty: unknown."""
+    threads: int = 0
+    """Its engine's compute threads (CPU); 0: unknown."""
+    gpus: frozenset[int] = frozenset()
+    """The accelerators it computes on."""
 
     def can_prefill(self) -> bool:
         return self.role in ("prefill", "both")
@@ -55,13 +62,14 @@ class SchedulerParams:
 
     ttft_slo_s: float = 30.0
     tbt_slo_s: float = 0.3
-    local_prefill_max_tokens: int = 64
-    """Conditional disaggregation: prefill on the decode instance when at most this many
-    prompt tokens are uncached there (0 disables it)."""
+    disaggregate: str = "auto"
+    """kv_centric: auto (prefill beside the decode instance or on it, whichever the models
+    say costs less), always (on another instance whenever one can), never (on the decode
+    instance itself)."""
     prefill: PrefillTimeModel = field(default_factory=PrefillTimeModel)
     tbt: TbtModel = field(default_factory=TbtModel)
     transfer_s_per_block: float = 1.3e-4
-    """Time to pull one block from the pool into an engine."""
+    """Time to move one block between an engine and the pool (measured by the workers)."""
     transfer_s_fixed: float = 1e-3
     """Per-request overhead of a pull (lookup, connection), paid when any block is pulled."""
     near_min_rel: float = 0.05
@@ -158,6 +166,22 @@ class ClusterSnapshot:
         return self._prefill_by_id.get(instance_id)  # type: ignore[attr-defined]
 
 
+def contention(p: InstanceLoad, d: InstanceLoad) -> float:
+    """The share of `d`'s speed a prefill running on `p` takes away: 1 on the same engine, 0
+    on other hardware; engines on one host's CPU contend by how far their threads outnumber
+    the cores they can run on together."""
+    if p.instance_id == d.instance_id:
+        return 1.0
+    if not p.host or p.host != d.host:
+        return 0.0
+    if p.gpus or d.gpus:
+        return 1.0 if p.gpus & d.gpus else 0.0
+    if not (p.cores and d.cores and p.threads and d.threads):
+        return 0.0
+    over = p.threads + d.threads - len(p.cores | d.cores)
+    return min(max(over / d.threads, 0.0), 1.0)
+
+
 def _set(obj: object, **fields: object) -> None:
     for name, value in fields.items():
         object.__setattr__(obj, name, value)
@@ -217,7 +241,9 @@ class Route:
     """Predicted prefill compute time (without queueing): the work it adds to the queue."""
     predicted_ttft_s: float = 0.0
     predicted_tbt_s: float = 0.0
-
+    cost_s: float = 0.0
+    """kv_centric's objective: the predicted TTFT plus the seconds the prefill adds to the
+    token gaps of the streams decoding where it runs (and on engines sharing its cores)."""
     @property
     def disaggregated(self) -> bool:
         return self.prefill_id != self.decode_id

@@ -218,6 +218,21 @@ class KVTransfer:
                 self._registered = pool
         return pool
 
+    def healthy(self) -> bool:
+        """The pool can be reached now (as far as its client knows)."""
+        pool = self._pool()
+        return pool is not None and pool.healthy()
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Which of `keys` the pool holds now (all False without a pool)."""
+        pool = self._pool()
+        if pool is None or not keys:
+            return [False] * len(keys)
+        try:
+            return pool.exists(list(keys))
+        except PoolError:
+            return [False] * len(keys)
+
     def connect(self) -> bool:
         """Join the pool and register the cache, if the pool can be reached now."""
         return self._pool() is not None

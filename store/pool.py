@@ -959,26 +959,6 @@ class MooncakePool:
         self.close()
 
 
-def wait_present(pool: KVPool, keys: Sequence[str], want: int, *, timeout_s: float = 5.0,
-                 stall_s: float = 1.0, poll_s: float = 0.005) -> int:
-    """How long a prefix of `keys` the pool holds, once that is at least `want`, or when it
-    stopped growing for `stall_s`, or after `timeout_s`, or at once if the pool is unhealthy.
-    For a writer whose saves finish in the background (the KV connector's), to learn when its
-    blocks are readable: a save that cannot happen (pool full) costs `stall_s` here."""
-    keys = list(keys)
-    deadline = time.monotonic() + timeout_s
-    best, since = -1, time.monotonic()
-    while True:
-        present = pool.exists(keys) if keys else []
-        n = next((i for i, ok in enumerate(present) if not ok), len(present))
-        now = time.monotonic()
-        if n > best:
-            best, since = n, now
-        if n >= want or now >= deadline or now - since >= stall_s or not pool.healthy():
-            return n
-        time.sleep(poll_s)
-
-
 # ---------------------------------------------------------------------------------------------
 # The fake.
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,8 +28,25 @@ PROMPTS = {
                "walked back to the lighthouse. " * 6,
     "control_corrupt": "The green lantern hung above the market square while twelve "
                        "merchants argued about the price of salt and copper. " * 6,
+    "late": "A decode that starts before its prefill waits for the blocks: the owl counted "
+            "the stars above the frozen lake until the morning bell rang twice. " * 6,
+    "never": "Blocks that never arrive are computed: nine barges drifted down the canal while "
+             "the lock keeper slept beside his lamp and his dog. " * 6,
+    "long": "While one engine loads a long prompt from the pool, its other streams keep "
+            "going: the caravan crossed the desert at night, guided by a single star, and the "
+            "merchants sang old songs about rivers they had never seen. " * 19,
 }
+LONG_MIN_BLOCKS = 48
+"""The "long" prompt's full blocks at least (a load of that many takes many decode steps)."""
 MAX_TOKENS = 16
+
+
+def wait_until(predicate, timeout: float = 5.0, interval: float = 0.02) -> None:
+    """Poll `predicate` until it holds; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(interval)
 
 
 @pytest.fixture(scope="session")
@@ -51,6 +69,7 @@ def prompt_ids(tokenizer) -> dict[str, list[int]]:
     ids = {name: tokenizer.encode_prompt(text) for name, text in PROMPTS.items()}
     for name, toks in ids.items():
         assert len(toks) >= 4 * BLOCK_SIZE + 1, (name, len(toks))
+    assert LONG_MIN_BLOCKS * BLOCK_SIZE <= len(ids["long"]) <= MAX_MODEL_LEN - MAX_TOKENS
     return ids
 
 
@@ -75,7 +94,7 @@ def cluster(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
                        run_dir=str(tmp_path_factory.mktemp("cluster")),
                        block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, dtype=DTYPE,
                        kv_cache_bytes=256 << 20, pool_segment_bytes=256 << 20,
-                       lease_ttl=LEASE_TTL)
+                       lease_ttl=LEASE_TTL, conductor_args=("--disaggregate", "always"))
     c = EmbeddedCluster(spec)
     c.start(timeout=300)
     yield c

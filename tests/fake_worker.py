@@ -8,6 +8,7 @@ stop strings and logprobs, and counts what it was asked and what was cancelled.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -41,6 +42,8 @@ class Knobs:
     """What `Stats` reports of the pool connector (unset: no request finished yet)."""
     stats_delay_s: float = 0.0
     """`Stats` answers after this long (a hung worker)."""
+    engine_times: bool = False
+    """Report `EngineTimes` as a real worker does (queued, scheduled, first token, held)."""
 
 
 @dataclass
@@ -50,16 +53,39 @@ class Counts:
     running: int = 0
     aborted: int = 0
     retired: int = 0
+    pool_ready: int = 0
     last_params: worker_pb2.SamplingParams | None = None
     request_ids: list[str] = field(default_factory=list)
 
 
+def _times(received: float, released: float) -> worker_pb2.EngineTimes:
+    """Engine times of a request that reached the worker at `received` and its engine at
+    `released` (after being held for its prefill), scheduled and computed at once."""
+    now = time.time()
+    return worker_pb2.EngineTimes(received=received, queued=released, scheduled=released,
+                                  first_token=max(now, released), held=released - received)
+
+
+class FakePool:
+    """What the fakes share of the pool: which requests' prefills wrote their blocks. A
+    decode told to wait for a prefill's blocks (`PoolWait.wait_s`) waits here, as a real
+    decode engine's loader does, then goes on (having "recomputed" what did not arrive)."""
+
+    def __init__(self) -> None:
+        self.written: dict[str, asyncio.Event] = {}
+
+    def event(self, request_id: str) -> asyncio.Event:
+        return self.written.setdefault(request_id, asyncio.Event())
+
+
 class FakeWorker(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, knobs: Knobs) -> None:
+    def __init__(self, knobs: Knobs, pool: FakePool | None = None) -> None:
         self.knobs = knobs
         self.counts = Counts()
+        self.pool = pool or FakePool()
 
     async def Prefill(self, request, context):
+        received = time.time()
         self.counts.prefills += 1
         self.counts.running += 1
         self.counts.request_ids.append(request.request_id)
@@ -72,7 +98,11 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             self.counts.running -= 1
         if self.knobs.prefill_status is not None:
             await context.abort(self.knobs.prefill_status, "injected prefill failure")
-        return worker_pb2.PrefillReply(num_prompt_tokens=len(request.token_ids))
+        self.pool.event(request.request_id).set()
+        reply = worker_pb2.PrefillReply(num_prompt_tokens=len(request.token_ids))
+        if self.knobs.engine_times:
+            reply.times.CopyFrom(_times(received, received))
+        return reply
 
     async def Generate(self, request, context):
         p = request.params
@@ -81,7 +111,13 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.counts.last_params = p
         self.counts.request_ids.append(request.request_id)
         sent = 0
+        received = time.time()
         try:
+            if request.pool_wait.wait_s > 0:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(request.pool_wait.wait_s):
+                        await self.pool.event(request.request_id).wait()
+            times = _times(received, time.time()) if self.knobs.engine_times else None
             texts = ["" for _ in range(p.n or 1)]
             for step in range(p.max_tokens):
                 for index in range(p.n or 1):
@@ -94,7 +130,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                             k.fail_budget[0] -= 1
                         await context.abort(k.decode_status, "injected engine error")
                     await asyncio.sleep(self.knobs.token_delay_s)
-                    yield self._chunk(p, request, step, index, texts, first=sent == 0)
+                    chunk = self._chunk(p, request, step, index, texts, first=sent == 0)
+                    if times is not None and (sent == 0 or chunk.finish_reason):
+                        chunk.times.CopyFrom(times)
+                    yield chunk
                     sent += 1
         except asyncio.CancelledError:
             self.counts.aborted += 1
@@ -130,6 +169,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         elif step == p.max_tokens - 1:
             chunk.finish_reason = "length"
         return chunk
+
+    async def PoolReady(self, request, context):
+        self.counts.pool_ready += 1
+        return worker_pb2.PoolReadyReply(found=True)
 
     async def Abort(self, request, context):
         return worker_pb2.AbortReply(found=False)
@@ -215,10 +258,11 @@ class LocalConductor:
         self._stop = asyncio.Event()
         servers, members = [], {}
         seen: dict[str, int] = {}
+        pool = FakePool()
         for role in self.roles:
             iid = f"{role}-{seen.setdefault(role, 0)}"
             seen[role] += 1
-            fake = self.workers[iid] = FakeWorker(self.knobs)
+            fake = self.workers[iid] = FakeWorker(self.knobs, pool)
             server = grpc.aio.server()
             worker_pb2_grpc.add_WorkerServicer_to_server(fake, server)
             fake.health = health.aio.HealthServicer()

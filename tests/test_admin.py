@@ -42,7 +42,7 @@ def conductor(model_dir: str, roles: tuple[str, ...], knobs: Knobs | None = None
               ) -> tuple[LocalConductor, str]:
     port = free_port()
     c = LocalConductor(model_dir, roles=roles, knobs=knobs, conductor_args=(
-        "--admin-port", str(port), "--admin-token", TOKEN))
+        "--admin-port", str(port), "--admin-token", TOKEN, "--disaggregate", "always"))
     return c, f"127.0.0.1:{port}"
 
 

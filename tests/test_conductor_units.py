@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from conductor.chat import ChatTemplate
+from conductor.deltas import Delta, TokenLogprob
 from conductor.errors import (
     InvalidRequest,
     ModelNotFound,
@@ -22,7 +23,7 @@ from conductor.errors import (
     mapping,
 )
 from conductor.metrics import Metrics
-from conductor.pipeline import Delta, Outcome, TokenLogprob
+from conductor.pipeline import Outcome
 from conductor.policy import least_loaded
 from conductor.protocol import parse_chat, parse_completion
 from conductor.response import ResponseSpec, collect, stream

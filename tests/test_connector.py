@@ -333,8 +333,9 @@ def test_shared_prefix_written_once(producer):
     producer.run(b)
     after = producer.stats()
     assert mid["blocks_written"] - before["blocks_written"] == 5
+    # b's shared prefix came from the engine's own cache: not computed, so not offered again
     assert after["blocks_written"] - mid["blocks_written"] == 2  # only b's own blocks
-    assert after["blocks_deduplicated"] - mid["blocks_deduplicated"] == 3
+    assert after["blocks_deduplicated"] == mid["blocks_deduplicated"]
 
 
 @pytest.mark.engine

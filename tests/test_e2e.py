@@ -5,6 +5,7 @@ Real vLLM engines, a real mooncake_master and store clients, a real etcd (tests/
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import time
 import uuid
@@ -13,7 +14,7 @@ import grpc
 import httpx
 import pytest
 import torch
-from conftest import BLOCK_SIZE, DTYPE, LEASE_TTL, MAX_TOKENS
+from conftest import BLOCK_SIZE, DTYPE, LEASE_TTL, MAX_TOKENS, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from protos import worker_pb2, worker_pb2_grpc
@@ -71,11 +72,13 @@ def _worker_stub(cluster, role: str) -> worker_pb2_grpc.WorkerStub:
 
 
 def _prefill_then_decode(cluster, request_id: str, prompt: list[int], between=None):
-    """Drive the two workers the way the conductor does, with a hook between the halves."""
+    """Drive the two workers one after the other, with a hook between the halves (which
+    starts once the prefill's background saves are readable)."""
     prefill, decode = _worker_stub(cluster, "prefill"), _worker_stub(cluster, "decode")
     reply = prefill.Prefill(worker_pb2.PrefillRequest(request_id=request_id, token_ids=prompt),
                             timeout=60)
     if between is not None:
+        _wait_pooled(cluster, prompt, reply.blocks_saved)
         between()
     params = worker_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1,
                                        ignore_eos=True)
@@ -89,6 +92,21 @@ def _prefill_then_decode(cluster, request_id: str, prompt: list[int], between=No
         ids += chunk.token_ids
         lps += chunk.logprobs
     return reply, first, ids, lps
+
+
+def _keys(model_dir: str, prompt: list[int]) -> list[str]:
+    ns = kv_namespace(model_dir, BLOCK_SIZE, DTYPE)
+    return [block_key(ns, h) for h in block_hashes(prompt, BLOCK_SIZE)]
+
+
+def _wait_pooled(cluster, prompt: list[int], blocks: int, timeout: float = 30.0) -> None:
+    """Until the pool holds the prompt's first `blocks` blocks (a prefill saves them in the
+    background, after its reply)."""
+    keys = _keys(cluster.spec.model, prompt)[:blocks]
+    with MooncakePool(PoolConfig(master_addr=cluster.master.master_addr,
+                                 metadata_url=cluster.master.metadata_url,
+                                 segment_bytes=0)) as pool:
+        wait_until(lambda: all(pool.exists(keys)), timeout)
 
 
 @pytest.fixture
@@ -197,3 +215,105 @@ def test_stopped_decode_worker_leaves_within_lease_ttl_then_503(cluster):
     finally:
         cluster.start_worker("decode")
         cluster.wait_ready(timeout=180)
+
+
+# ------------------------------------------------------------- the decode beside its prefill
+
+
+def _generate(stub, request_id: str, prompt: list[int], wait: worker_pb2.PoolWait | None,
+              max_tokens: int = MAX_TOKENS):
+    """A Generate stream (started at once), greedy with logprobs."""
+    params = worker_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1,
+                                       ignore_eos=True)
+    req = worker_pb2.GenerateRequest(request_id=request_id, token_ids=prompt, params=params)
+    if wait is not None:
+        req.pool_wait.CopyFrom(wait)
+    return stub.Generate(req, timeout=120)
+
+
+def _collect(stream) -> tuple[list[int], list[float], worker_pb2.GenerateChunk]:
+    """Tokens, logprobs and the last chunk (with the worker's times) of a stream."""
+    ids: list[int] = []
+    lps: list[float] = []
+    last = None
+    for chunk in stream:
+        ids += chunk.token_ids
+        lps += chunk.logprobs
+        last = chunk
+    assert last is not None
+    return ids, lps, last
+
+
+def _in_engine(stub, n: int = 1) -> None:
+    """Until the worker's engine holds `n` requests (they were admitted)."""
+    wait_until(lambda: stub.Stats(worker_pb2.StatsRequest(), timeout=5).running >= n, 30)
+
+
+def test_a_decode_started_before_its_prefill_loads_the_blocks_as_they_arrive(
+        cluster, prompt_ids, reference):
+    """The decode engine takes the request first and waits, off its scheduler thread, for
+    blocks no one has written yet; the prefill then writes them; the decode loads every one
+    and answers exactly as a single engine does."""
+    prompt = prompt_ids["late"]
+    loadable = (len(prompt) - 1) // BLOCK_SIZE
+    prefill, decode = _worker_stub(cluster, "prefill"), _worker_stub(cluster, "decode")
+    stream = _generate(decode, "late", prompt, worker_pb2.PoolWait(
+        blocks=len(prompt) // BLOCK_SIZE, wait_s=60))
+    _in_engine(decode)  # waiting for blocks that are not in the pool
+    reply = prefill.Prefill(worker_pb2.PrefillRequest(request_id="late-p", token_ids=prompt),
+                            timeout=60)
+    assert reply.blocks_saved == len(prompt) // BLOCK_SIZE
+    ids, lps, last = _collect(stream)
+    assert last.blocks_loaded == loadable and last.times.kv_blocks == loadable
+    assert last.num_cached_tokens == loadable * BLOCK_SIZE
+    assert last.times.kv_wait > 0
+    assert_same_output(ids, lps, reference["late"])
+
+
+def test_blocks_that_never_arrive_are_computed_and_the_answer_is_the_same(
+        cluster, prompt_ids, reference):
+    """Promised blocks no prefill writes: the load gives up after its wait, and the engine
+    computes the whole prompt (the usage says nothing was cached)."""
+    prompt = prompt_ids["never"]
+    decode = _worker_stub(cluster, "decode")
+    ids, lps, last = _collect(_generate(decode, "never", prompt, worker_pb2.PoolWait(
+        blocks=len(prompt) // BLOCK_SIZE, wait_s=1.0)))
+    assert last.blocks_loaded == 0 and last.num_cached_tokens == 0
+    assert last.times.kv_wait >= 1.0
+    assert_same_output(ids, lps, reference["never"])
+
+
+def test_a_long_load_does_not_stall_a_stream_running_on_the_same_engine(
+        cluster, prompt_ids, reference, pool_client):
+    """Order of events on one decode engine: stream S runs; request L, whose ~1.8K-token
+    prompt the pool holds only the first half of, is admitted and its load starts; S goes on
+    producing tokens while L's load is still in flight (its second half is not in the pool
+    yet, so it cannot have completed); then the second half arrives, L's load completes and
+    L answers exactly as a single engine does. A load on the scheduler thread would have
+    held every step of S until it finished."""
+    prompt = prompt_ids["long"]
+    loadable = (len(prompt) - 1) // BLOCK_SIZE
+    keys = _keys(cluster.spec.model, prompt)
+    prefill, decode = _worker_stub(cluster, "prefill"), _worker_stub(cluster, "decode")
+    prefill.Prefill(worker_pb2.PrefillRequest(request_id="long-p", token_ids=prompt),
+                    timeout=120)
+    _wait_pooled(cluster, prompt, len(keys))
+    blocks = pool_client.get_many(keys)  # L's KV, as the prefill computed it
+    assert all(b is not None for b in blocks)
+    half = loadable // 2
+    assert pool_client.remove(keys[half:], force=True) == len(keys) - half
+
+    s = iter(_generate(decode, "stream-s", prompt_ids["e2e"], None, max_tokens=1500))
+    next(s)
+    long = _generate(decode, "long-l", prompt, worker_pb2.PoolWait(blocks=len(keys),
+                                                                    wait_s=120))
+    _in_engine(decode, 2)  # L admitted: its load started, and waits for the second half
+    # S goes on meanwhile (well within L's wait, which a stalled engine would sit out)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        produced = pool.submit(lambda: sum(len(next(s).token_ids) for _ in range(8)))
+        assert produced.result(timeout=30) >= 8, "S stalled while L's load was in flight"
+    assert pool_client.put_many(list(zip(keys[half:], blocks[half:], strict=True))).ok
+    ids, lps, last = _collect(long)
+    s.cancel()
+    assert last.times.kv_blocks == loadable and last.num_cached_tokens == loadable * BLOCK_SIZE
+    assert_same_output(ids, lps, reference["long"])

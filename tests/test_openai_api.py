@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 
 import httpx
 import openai
 import pytest
+from conftest import wait_until
 from fake_worker import Knobs, LocalConductor
 
 MAX_MODEL_LEN = 2048
@@ -37,13 +37,6 @@ def model(client: openai.OpenAI) -> str:
 def sse(text: str) -> list[str]:
     """The `data:` payloads of an SSE body, in order."""
     return [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
-
-
-def wait_until(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 # ---------------------------------------------------------------- shapes
@@ -265,15 +258,18 @@ def test_a_per_request_slo_rejects_only_that_request(client, model):
 
 
 def test_client_disconnect_aborts_prefill_and_decode(model_dir):
-    with LocalConductor(model_dir, knobs=Knobs(prefill_delay_s=30)) as c:
+    with LocalConductor(model_dir, knobs=Knobs(prefill_delay_s=30),
+                        conductor_args=("--disaggregate", "always")) as c:
         prefill, decode = c.worker("prefill"), c.worker("decode")
         body = json.dumps({"prompt": "word " * 200, "max_tokens": 4}).encode()
         with socket.create_connection(("127.0.0.1", c.port)) as s:
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
                       b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
-            wait_until(lambda: prefill.counts.running == 1)
+            # the decode started beside the prefill and waits for its blocks
+            wait_until(lambda: prefill.counts.running == 1 and decode.counts.running == 1)
         wait_until(lambda: prefill.counts.aborted == 1 and prefill.counts.running == 0)
-        assert decode.counts.generates == 0
+        wait_until(lambda: decode.counts.aborted == 1 and decode.counts.running == 0)
+        decode.counts.aborted = 0
 
         c.knobs.prefill_delay_s, c.knobs.token_delay_s = 0.0, 0.01
         with httpx.stream("POST", f"{c.url}/v1/completions", json={

@@ -65,6 +65,9 @@ def test_pool_stats_on_the_wire_carry_every_counter_and_both_histograms() -> Non
 
 
 class _Engine:
+    load = {"waiting": 2, "kv_usage": 0.25}
+    """The engine scheduler's own figures (`worker.telemetry`)."""
+
     def running(self) -> int:
         return 0
 
@@ -73,6 +76,7 @@ def test_the_worker_keeps_the_newest_snapshot_and_reports_it_in_stats() -> None:
     servicer = WorkerServicer(_Engine(), "prefill-0", "prefill")  # type: ignore[arg-type]
     reply = asyncio.run(servicer.Stats(worker_pb2.StatsRequest(), None))
     assert not reply.HasField("pool")
+    assert reply.waiting == 2 and reply.kv_usage == 0.25
     newer = {**LOOKUPS, **asdict(TransferStats(blocks_written=8, save_batches=3))}
     older = {**LOOKUPS, **asdict(TransferStats(blocks_written=4, save_batches=2))}
     servicer._note_pool(newer)

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from cluster.instance import cpu_list
 from conductor.config import POLICIES as CONFIG_POLICIES
 from conductor.policy import DEFAULT_POLICY, POLICIES
 from conductor.scheduler.decode_model import TbtFitter, TbtModel
@@ -26,6 +27,7 @@ from conductor.snapshot import (
     Route,
     RouteRequest,
     SchedulerParams,
+    contention,
 )
 from store.block_hash import block_hashes
 
@@ -37,17 +39,20 @@ NOW = 1000.0
 
 def inst(iid: str, role: str = "prefill", *, queue_s: float = 0.0, in_flight: int = 0,
          running: int = 0, kv_tokens: int = 0, capacity: int = 0,
-         finishes: tuple[float, ...] = (), cached_blocks: int = 0) -> InstanceLoad:
-    """An instance whose prefill queue drains `queue_s` after NOW."""
+         finishes: tuple[float, ...] = (), cached_blocks: int = 0, cores: str = "",
+         threads: int = 0) -> InstanceLoad:
+    """An instance whose prefill queue drains `queue_s` after NOW; `cores` and `threads`:
+    where it computes on host "h" (empty: unknown)."""
     return InstanceLoad(instance_id=iid, role=role, in_flight=in_flight, queued_prompt_tokens=0,
                         block_size=BS, busy_until=NOW + queue_s if queue_s else 0.0,
                         running=running, kv_tokens=kv_tokens, kv_capacity_tokens=capacity,
-                        finishes=finishes, cached_blocks=cached_blocks)
+                        finishes=finishes, cached_blocks=cached_blocks,
+                        host="h" if cores else "", cores=cpu_list(cores), threads=threads)
 
 
 def snap(*instances: InstanceLoad, **params: object) -> ClusterSnapshot:
-    """Conditional disaggregation off unless asked for: the tests of pairs see pairs."""
-    params.setdefault("local_prefill_max_tokens", 0)
+    """Every request disaggregated unless asked otherwise: the tests of pairs see pairs."""
+    params.setdefault("disaggregate", "always")
     return ClusterSnapshot(tuple(instances), NOW, SchedulerParams(**params))
 
 
@@ -106,14 +111,16 @@ def test_the_pool_serves_an_idle_instance_the_prefix_a_busy_one_holds():
 
 
 def test_predicted_ttft_adds_queue_prefill_transfer_and_decode_step():
-    prm = SchedulerParams(tbt=TbtModel(0.01, 0.0, 0.0), local_prefill_max_tokens=0)
+    prm = SchedulerParams(tbt=TbtModel(0.01, 0.0, 0.0), disaggregate="always")
     s = ClusterSnapshot((inst("p0", queue_s=0.2), inst("d0", "decode")), NOW, prm)
     route = kv_centric(s, request(1024, pool=10))
     compute = prm.prefill.predict(1024 - 10 * BS, 10 * BS)
     pull_p = prm.transfer_s_fixed + 10 * prm.transfer_s_per_block
+    save = prm.transfer_s_fixed + 21 * prm.transfer_s_per_block  # the blocks p computes
     pull_d = prm.transfer_s_fixed + 31 * prm.transfer_s_per_block  # all but the last block
     assert route.prefill_s == pytest.approx(compute)
-    assert route.predicted_ttft_s == pytest.approx(0.2 + compute + pull_p + pull_d + 0.01)
+    assert route.predicted_ttft_s == pytest.approx(0.2 + compute + pull_p + save + pull_d
+                                                   + 0.01)
 
 
 def test_ties_keep_locality():
@@ -180,24 +187,54 @@ def test_prediction_based_rejection_counts_decodes_finishing_before_arrival():
     assert route.predicted_tbt_s == pytest.approx(0.21)
 
 
-@pytest.mark.parametrize("pool_blocks,local", [(5, True), (4, False)])
-def test_conditional_disaggregation_threshold(pool_blocks, local):
-    """200 tokens: 5 pooled blocks leave 40 uncached (<= 64: prefill on d0), 4 leave 72."""
-    s = snap(inst("p0"), inst("d0", "decode"), local_prefill_max_tokens=64)
-    route = kv_centric(s, request(200, pool=pool_blocks))
-    assert isinstance(route, Route)
-    assert route.disaggregated is not local
-    if local:
-        assert pair(route) == ("d0", "d0") and route.uncached_tokens == 40
+def test_an_idle_decode_instance_computes_a_prompt_itself():
+    """Nothing runs on d0: computing there costs the prefill alone, moving it through the pool
+    costs a save, a load and a decode step more."""
+    s = snap(inst("p0"), inst("d0", "decode"), disaggregate="auto")
+    route = kv_centric(s, request(1024, pool=20))
+    assert pair(route) == ("d0", "d0") and route.uncached_tokens == 1024 - 20 * BS
+    assert route.cost_s == pytest.approx(route.predicted_ttft_s)  # no stream to stall
 
 
-def test_conditional_disaggregation_off_at_zero():
-    s = snap(inst("p0"), inst("d0", "decode"), local_prefill_max_tokens=0)
-    assert kv_centric(s, request(40)).disaggregated
+def test_a_long_prefill_goes_beside_a_decode_instance_with_streams_running():
+    """Eight streams decode on d0: a 2K-token prefill there would stall every one of them;
+    p0 computes it on cores of its own, and the streams keep their pace."""
+    s = snap(inst("p0", cores="0", threads=1), inst("d0", "decode", running=8, cores="1",
+                                                    threads=1), disaggregate="auto")
+    route = kv_centric(s, request(2048))
+    assert pair(route) == ("p0", "d0")
+    local = kv_centric(snap(*s.instances, disaggregate="never"), request(2048))
+    assert local.cost_s > route.cost_s
+    assert local.cost_s == pytest.approx(local.predicted_ttft_s + 8 * local.prefill_s)
+
+
+def test_engines_sharing_cores_gain_nothing_from_disaggregating():
+    """p0 and d0 each run two threads on the same two cores: a prefill on p0 slows d0's
+    streams as much as one on d0 would, so the transfer is pure cost: computed locally."""
+    shared = snap(inst("p0", cores="0-1", threads=2),
+                  inst("d0", "decode", running=8, cores="0-1", threads=2),
+                  disaggregate="auto")
+    assert pair(kv_centric(shared, request(2048))) == ("d0", "d0")
+    assert contention(shared.instances[0], shared.instances[1]) == 1.0
+    apart = snap(inst("p0", cores="0-1", threads=2),
+                 inst("d0", "decode", running=8, cores="2-3", threads=2), disaggregate="auto")
+    assert contention(apart.instances[0], apart.instances[1]) == 0.0
+    assert pair(kv_centric(apart, request(2048))) == ("p0", "d0")
+
+
+def test_disaggregate_never_and_always():
+    s = (inst("p0"), inst("d0", "decode", running=8))
+    assert not kv_centric(snap(*s, disaggregate="never"), request(2048)).disaggregated
+    assert kv_centric(snap(*s, disaggregate="always"), request(40)).disaggregated
+
+
+def test_one_engine_in_the_both_role_serves_alone_even_when_disaggregation_is_forced():
+    s = snap(inst("b0", "both"), disaggregate="always")
+    assert pair(kv_centric(s, request(1024))) == ("b0", "b0")
 
 
 def test_local_prefill_counts_the_decode_instances_own_prefill_queue():
-    s = snap(inst("p0"), inst("d0", "decode", queue_s=2.0), local_prefill_max_tokens=64)
+    s = snap(inst("p0"), inst("d0", "decode", queue_s=2.0), disaggregate="auto")
     assert kv_centric(s, request(40)).disaggregated
 
 
@@ -387,7 +424,7 @@ def test_a_patched_snapshot_equals_one_frozen_whole():
     dirty: set[str] = set()
     for s in loads:
         s.on_change = dirty.add
-    params = SchedulerParams(local_prefill_max_tokens=64)
+    params = SchedulerParams(disaggregate="auto")
     patched = ClusterSnapshot(tuple(s.view() for s in loads), NOW, params)
     live: list[tuple[str, str, str]] = []
     for n in range(400):

@@ -37,6 +37,9 @@ def _member(iid: str, role: str, port: int) -> InstanceInfo:
 
 
 async def _router(model_dir: str, **config: object) -> tuple[Router, Registry]:
+    """A router over two prefill and one decode instance; it disaggregates every request (the
+    accounting under test is the P/D path's) unless told otherwise."""
+    config.setdefault("disaggregate", "always")
     registry = Registry()
     router = Router(ConductorConfig(model=model_dir, etcd="127.0.0.1:1", kv_events=False,
                                     **config), registry)

@@ -16,7 +16,8 @@ def test_a_request_through_the_shm_pool_equals_a_single_engine(model_dir, prompt
     spec = ClusterSpec(model=model_dir, prefill=1, decode=1, http_port=0, run_dir=str(tmp_path),
                        block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, dtype=DTYPE,
                        kv_cache_bytes=128 << 20, pool_segment_bytes=128 << 20,
-                       lease_ttl=LEASE_TTL, admin_port=-1, pool_shm=True)
+                       lease_ttl=LEASE_TTL, admin_port=-1, pool_shm=True,
+                       conductor_args=("--disaggregate", "always"))
     with EmbeddedCluster(spec) as c:
         assert c.store_client is not None
         prompt = prompt_ids["e2e"]

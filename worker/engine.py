@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -29,8 +30,10 @@ class PrefillResult:
     num_prompt_tokens: int
     num_cached_tokens: int
     blocks_saved: int
-    block_keys: tuple[str, ...]
+    blocks_in_pool: int
     engine_seconds: float
+    output: Any = None
+    """The final `RequestOutput` (its metrics and kv_transfer_params)."""
     pool_stats: dict | None = None
     """The connector's cumulative counters the request carried out (`kv_transfer_params`)."""
 
@@ -44,6 +47,8 @@ class Engine:
         self._llm = None
         self.relay = None
         """The KV event relay (`worker.kv_events`), when `config.kv_events`."""
+        self.load: dict[str, float] = {}
+        """The engine scheduler's latest queue and KV use (`worker.telemetry`)."""
 
     def start(self) -> None:
         # Imported here: vLLM is heavy and the engine-core process is spawned.
@@ -95,7 +100,10 @@ class Engine:
             self.relay = KvEventRelay(c.block_size)
             self.relay.start(asyncio.get_running_loop())
             args.kv_events_config = self.relay.events_config()
-        self._llm = AsyncLLM.from_engine_args(args)
+        from worker.telemetry import load_logger_factory
+
+        self._llm = AsyncLLM.from_engine_args(args,
+                                              stat_loggers=[load_logger_factory(self.load)])
         log.info("engine_started", model=c.model, role=c.role, namespace=self.namespace)
 
     @property
@@ -111,13 +119,24 @@ class Engine:
             prompt["cache_salt"] = cache_salt
         return prompt
 
-    async def prefill(self, request_id: str, token_ids: list[int], cache_salt: str
-                      ) -> PrefillResult:
-        """Compute the prompt (one output token, discarded) so its blocks reach the pool."""
+    @staticmethod
+    def with_pool_wait(params: Any, pool_wait: tuple[int, float] | None) -> Any:
+        """`params` telling our connector what the pool holds of the prompt (`PoolWait`)."""
+        if pool_wait is not None:
+            blocks, wait_s = pool_wait
+            params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": {
+                "pool_wait": {"blocks": blocks, "wait_s": wait_s}}}
+        return params
+
+    async def prefill(self, request_id: str, token_ids: list[int], cache_salt: str,
+                      pool_wait: tuple[int, float] | None = None) -> PrefillResult:
+        """Compute the prompt (one output token, discarded) so its blocks reach the pool; the
+        saves finish in the background."""
         from vllm import SamplingParams
 
         t0 = time.perf_counter()
-        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        params = self.with_pool_wait(
+            SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), pool_wait)
         final = None
         async for out in self.llm.generate(self._prompt(token_ids, cache_salt), params,
                                            request_id):
@@ -128,15 +147,17 @@ class Engine:
             num_prompt_tokens=len(token_ids),
             num_cached_tokens=final.num_cached_tokens or 0,
             blocks_saved=int(ktp.get("pool_blocks_saved", 0)),
-            block_keys=tuple(ktp.get("pool_block_keys", ())),
+            blocks_in_pool=int(ktp.get("pool_blocks_in_pool", 0)),
             engine_seconds=time.perf_counter() - t0,
+            output=final,
             pool_stats=ktp.get("pool_stats"),
         )
 
-    def generate(self, request_id: str, token_ids: list[int], params, cache_salt: str
-                 ) -> AsyncIterator:
+    def generate(self, request_id: str, token_ids: list[int], params, cache_salt: str,
+                 pool_wait: tuple[int, float] | None = None) -> AsyncIterator:
         """Stream `RequestOutput` deltas; cancelling the iterator aborts the engine request."""
-        return self.llm.generate(self._prompt(token_ids, cache_salt), params, request_id)
+        return self.llm.generate(self._prompt(token_ids, cache_salt),
+                                 self.with_pool_wait(params, pool_wait), request_id)
 
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)

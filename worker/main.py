@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 
@@ -10,9 +11,10 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cluster.instance import InstanceInfo
+from cluster.instance import InstanceInfo, cpu_list, format_cpu_list
 from cluster.logging import configure
 from cluster.membership import Registration
+from cluster.shape import serve_on_serving_cores
 from protos import worker_pb2_grpc
 from worker.config import WorkerConfig, parse_args
 from worker.engine import Engine
@@ -46,6 +48,7 @@ async def serve(config: WorkerConfig) -> None:
         version=VERSION,
         started_at=time.time(),
         kv_namespace=engine.namespace,
+        **placement(config.device),
     )
     registration = Registration(config.etcd, info, ttl=max(2, round(config.lease_ttl)))
     await registration.start()
@@ -69,7 +72,23 @@ async def serve(config: WorkerConfig) -> None:
     log.info("worker_stopped", instance_id=config.instance_id)
 
 
+def placement(device: str) -> dict:
+    """Where this worker's engine computes, for the conductor's contention model: its cores
+    (the OpenMP binding, else this process's affinity) and threads, or its GPUs."""
+    if device == "cuda":
+        return {"gpus": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    try:
+        cores = cpu_list(bind.replace("|", ","))
+    except ValueError:  # auto / nobind
+        cores = frozenset(os.sched_getaffinity(0))
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    return {"cpus": format_cpu_list(cores),
+            "threads": int(threads) if threads.isdigit() else len(cores)}
+
+
 def main(role: str, argv: list[str] | None = None) -> None:
     config = parse_args(argv, role)
+    serve_on_serving_cores()
     configure(f"{role}_worker")
     asyncio.run(serve(config))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -12,6 +13,7 @@ import structlog
 
 from protos import worker_pb2, worker_pb2_grpc
 from worker.engine import Engine
+from worker.telemetry import engine_times
 
 log = structlog.get_logger(__name__)
 
@@ -91,6 +93,18 @@ def _chunks(out, first: bool) -> list[worker_pb2.GenerateChunk]:
     return chunks
 
 
+SAVE_WAIT_S = 0.5
+"""After `PoolReady`, how long the engine's load waits for blocks still being saved."""
+_EARLY_TTL_S = 60.0
+
+
+def _pool_wait(request: worker_pb2.PrefillRequest | worker_pb2.GenerateRequest
+               ) -> tuple[int, float] | None:
+    if not request.HasField("pool_wait"):
+        return None
+    return request.pool_wait.blocks, request.pool_wait.wait_s
+
+
 def _finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
 
@@ -127,19 +141,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.aborted_total = 0
-        self._pool = None
         self.pool_stats: dict | None = None
         """The latest of the connector's cumulative counters finished requests carried out."""
         self.on_retire: Callable[[], None] | None = None
         """Called by `Retire`: starts the process's ordered shutdown."""
+        self._held: dict[str, asyncio.Event] = {}
+        """Generate requests held for their prefill (`PoolWait.hold`), by request id."""
+        self._ready: dict[str, asyncio.Event] = {}
+        self._early: dict[str, float] = {}
+        """`PoolReady`s that came before their Generate, and when."""
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
                       ) -> worker_pb2.PrefillReply:
+        received = time.time()
         rid = request.request_id
         log.info("prefill_start", request_id=rid, prompt_tokens=len(request.token_ids))
         self.prefills += 1
         try:
-            res = await self.engine.prefill(rid, list(request.token_ids), request.cache_salt)
+            res = await self.engine.prefill(rid, list(request.token_ids), request.cache_salt,
+                                            _pool_wait(request))
         except _client_errors() as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except asyncio.CancelledError:
@@ -149,40 +169,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.prefills -= 1
         self._count(res.num_prompt_tokens, res.num_cached_tokens)
         self._note_pool(res.pool_stats)
-        in_pool = await asyncio.to_thread(self._count_in_pool, res.block_keys, res.blocks_saved)
         log.info("prefill_done", request_id=rid, cached_tokens=res.num_cached_tokens,
-                 blocks_saved=res.blocks_saved, blocks_in_pool=in_pool,
+                 blocks_saved=res.blocks_saved, blocks_in_pool=res.blocks_in_pool,
                  seconds=round(res.engine_seconds, 4))
         return worker_pb2.PrefillReply(
             num_prompt_tokens=res.num_prompt_tokens,
             num_cached_tokens=res.num_cached_tokens,
             blocks_saved=res.blocks_saved,
-            blocks_in_pool=in_pool,
+            blocks_in_pool=res.blocks_in_pool,
             engine_seconds=res.engine_seconds,
+            times=engine_times(res.output, received),
         )
-
-    def _count_in_pool(self, keys: tuple[str, ...], saved: int) -> int:
-        """How long a prefix of the prompt's blocks the pool holds (an independent check),
-        once the engine's background saves of the `saved` blocks are readable (bounded wait).
-        The conductor's index follows it, so a chain the pool evicted is corrected here."""
-        if not keys:
-            return 0
-        from store.pool import MooncakePool, PoolConfig, PoolError, wait_present
-
-        c = self.engine.config
-        try:
-            if self._pool is None:
-                self._pool = MooncakePool(PoolConfig(master_addr=c.pool_master,
-                                                     metadata_url=c.pool_metadata,
-                                                     segment_bytes=0))
-            return wait_present(self._pool, keys, saved)
-        except PoolError as e:  # construction failed: the master is down; retried next time
-            log.warning("pool_check_failed", error=str(e))
-            return 0
 
     async def Generate(
         self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.GenerateChunk]:
+        received = time.time()
         rid = request.request_id
         try:
             params = sampling_params(request.params)
@@ -191,15 +193,30 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         log.info("generate_start", request_id=rid, prompt_tokens=len(request.token_ids))
         self.generates += 1
         first = True
-        outs = self.engine.generate(rid, list(request.token_ids), params, request.cache_salt)
+        cached = 0
         try:
+            pool_wait, held = await self._hold(request)
+            outs = self.engine.generate(rid, list(request.token_ids), params,
+                                        request.cache_salt, pool_wait)
             async with contextlib.aclosing(outs):
                 async for out in outs:
                     if first:
-                        self._count(len(request.token_ids), out.num_cached_tokens or 0)
+                        cached = out.num_cached_tokens or 0
+                        self._count(len(request.token_ids), cached)
+                    chunks = _chunks(out, first)
                     if out.finished:
-                        self._note_pool((out.kv_transfer_params or {}).get("pool_stats"))
-                    for chunk in _chunks(out, first):
+                        ktp = out.kv_transfer_params or {}
+                        self._note_pool(ktp.get("pool_stats"))
+                        # vLLM counts a load's promised blocks as cached even when they did
+                        # not arrive (recomputed): the last chunk says what really was
+                        failed = int(ktp.get("pool_blocks_load_failed", 0))
+                        chunks[-1].num_cached_tokens = max(
+                            cached - failed * self.engine.config.block_size, 0)
+                    if first or out.finished:
+                        times = engine_times(out, received)
+                        times.held = held
+                        chunks[-1 if out.finished else 0].times.CopyFrom(times)
+                    for chunk in chunks:
                         yield chunk
                     first = False
         except _client_errors() as e:
@@ -212,6 +229,49 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         finally:
             self.generates -= 1
             log.info("generate_end", request_id=rid)
+
+    async def _hold(self, request: worker_pb2.GenerateRequest
+                    ) -> tuple[tuple[int, float] | None, float]:
+        """A request whose prefill runs elsewhere (`PoolWait.hold`) stays out of the engine
+        until `PoolReady` or its `wait_s`; then the engine waits at most `SAVE_WAIT_S` for the
+        blocks still being saved (none, after a timeout: it computes what is missing).
+        Returns the engine's pool wait and the seconds held."""
+        wait = _pool_wait(request)
+        if wait is None or not request.pool_wait.hold:
+            return wait, 0.0
+        blocks, wait_s = wait
+        rid = request.request_id
+        self._early.pop(rid, None)
+        ready = self._ready.pop(rid, None) or asyncio.Event()
+        self._held[rid] = ready
+        t0 = time.monotonic()
+        try:
+            async with asyncio.timeout(wait_s):
+                await ready.wait()
+        except TimeoutError:
+            log.info("pool_hold_timeout", request_id=rid, waited_s=wait_s)
+        finally:
+            self._held.pop(rid, None)
+        held = time.monotonic() - t0
+        return (blocks, SAVE_WAIT_S if ready.is_set() else 0.0), held
+
+    async def PoolReady(self, request: worker_pb2.PoolReadyRequest,
+                        context: grpc.aio.ServicerContext) -> worker_pb2.PoolReadyReply:
+        held = self._held.get(request.request_id)
+        if held is not None:
+            held.set()
+            return worker_pb2.PoolReadyReply(found=True)
+        # ahead of its Generate (or after it gave up): remembered for a while
+        now = time.monotonic()
+        for rid, at in list(self._early.items()):
+            if now - at > _EARLY_TTL_S:
+                del self._early[rid]
+                self._ready.pop(rid, None)
+        ready = asyncio.Event()
+        ready.set()
+        self._ready[request.request_id] = ready
+        self._early[request.request_id] = now
+        return worker_pb2.PoolReadyReply(found=False)
 
     async def Abort(self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
                     ) -> worker_pb2.AbortReply:
@@ -230,6 +290,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             prompt_tokens_total=self.prompt_tokens_total,
             cached_tokens_total=self.cached_tokens_total,
             aborted_total=self.aborted_total,
+            waiting=int(self.engine.load.get("waiting", 0)),
+            kv_usage=float(self.engine.load.get("kv_usage", 0.0)),
             pool=pool_stats(self.pool_stats) if self.pool_stats is not None else None,
         )
 

@@ -49,6 +49,11 @@ class LoadState:
         self._unseen = 0
         """tokens generated since the view was last invalidated"""
         self._view: InstanceLoad | None = None
+        self.host = ""
+        self.cores: frozenset[int] = frozenset()
+        self.threads = 0
+        self.gpus: frozenset[int] = frozenset()
+        """Where it computes (`snapshot.contention`), from its registration."""
         self.on_change: Callable[[str], None] | None = None
         """Told the instance id whenever the load changes (the registry's snapshot upkeep)."""
 
@@ -159,5 +164,9 @@ class LoadState:
             kv_capacity_tokens=self.kv_capacity_tokens,
             finishes=tuple(self._finishes),
             cached_blocks=cached_blocks,
+            host=self.host,
+            cores=self.cores,
+            threads=self.threads,
+            gpus=self.gpus,
         )
         return v

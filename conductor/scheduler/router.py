@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -67,7 +67,10 @@ class Router:
         self.counters = Counters()
         self._block_bytes = block_bytes
         self._base = SchedulerParams(ttft_slo_s=config.ttft_slo_s, tbt_slo_s=config.tbt_slo_s,
-                                     local_prefill_max_tokens=config.local_prefill_max_tokens)
+                                     disaggregate=config.disaggregate)
+        self.transfer_s_per_block: Callable[[], float | None] = lambda: None
+        """The pool's measured seconds per block moved (`conductor.pool_stats`); None: not
+        measured yet (the prior from `pool_gbps` then)."""
         self._params: SchedulerParams | None = None
         self._seq = 0
         self.follower = None
@@ -106,14 +109,18 @@ class Router:
     # ------------------------------------------------------------------ deciding
 
     def params(self, block_size: int) -> SchedulerParams:
-        """The SLOs with the current fitted models; rebuilt only when a model changed."""
+        """The SLOs with the current fitted models and measured transfer time; rebuilt only
+        when one of them changed."""
         p = self._params
-        if p is None or p.prefill is not self.prefill_fit.model or p.tbt is not self.tbt_fit.model:
+        tpb = self.transfer_s_per_block()
+        if tpb is None:
             bb = self._block_bytes or kv_block_bytes(self.config.model, block_size)
             self._block_bytes = bb
+            tpb = bb / (self.config.pool_gbps * 1e9)
+        if (p is None or p.prefill is not self.prefill_fit.model
+                or p.tbt is not self.tbt_fit.model or p.transfer_s_per_block != tpb):
             p = self._params = replace(self._base, prefill=self.prefill_fit.model,
-                                       tbt=self.tbt_fit.model,
-                                       transfer_s_per_block=bb / (self.config.pool_gbps * 1e9))
+                                       tbt=self.tbt_fit.model, transfer_s_per_block=tpb)
         return p
 
     def snapshot(self, now: float, block_size: int) -> ClusterSnapshot:
@@ -153,9 +160,23 @@ class Router:
         p, d = self.registry.get(decision.prefill_id), self.registry.get(decision.decode_id)
         if p is None or d is None:
             raise NoCapacity("the chosen instance left the cluster")
+        pool = min(req.match.pool, max(len(token_ids) - 1, 0) // block_size)
         tail = list(token_ids[len(block_hashes) * block_size:])
         return Dispatch(self, decision, p, d, request_id, len(token_ids), tail, block_hashes,
-                        block_size, cache_salt, max_tokens, now)
+                        block_size, cache_salt, max_tokens, now, pool)
+
+    def pin(self, request_id: str, token_ids: list[int], block_hashes: tuple[int, ...],
+            max_tokens: int, block_size: int, cache_salt: str, inst: Instance) -> Dispatch:
+        """The request on `inst` alone, whatever the policy would choose (a fall-back: the
+        prefill beside it failed)."""
+        now = time.monotonic()
+        match = self.index.match(block_hashes)
+        pool = min(match.pool, max(len(token_ids) - 1, 0) // block_size)
+        route = Route(prefill_id=inst.instance_id, decode_id=inst.instance_id,
+                      cached_blocks=pool, uncached_tokens=len(token_ids) - pool * block_size)
+        tail = list(token_ids[len(block_hashes) * block_size:])
+        return Dispatch(self, route, inst, inst, request_id, len(token_ids), tail, block_hashes,
+                        block_size, cache_salt, max_tokens, now, pool)
 
 
 @dataclass(eq=False)
@@ -175,6 +196,9 @@ class Dispatch:
     cache_salt: str
     max_tokens: int
     started: float
+    pool_blocks: int = 0
+    """Of the prompt's loadable blocks, how many the pool holds (the index's view): the
+    engine that computes the prompt loads them without asking the pool."""
     _prefill_open: bool = True
     _decode_open: bool = True
     _solo: bool = False

@@ -1,27 +1,33 @@
-"""kv_centric, the default: Mooncake's Algorithm 1 over the global KV index, under SLOs.
+"""kv_centric, the default: Mooncake's Algorithm 1 over the global KV index, under SLOs, with
+the choice, per request, between disaggregating and not.
 
-For each prefill instance p (its cached prefix is its own or the pool's, whichever is longer;
-the connector pulls the difference from the pool):
+Two kinds of route are priced with the fitted models (prefill time, TBT) and the pool's
+measured transfer time per block (`transfer_s_per_block`):
 
-    TTFT(p) = queue(p) + prefill(uncached tokens, cached prefix) + transfer(pulled blocks)
+- local on a decode-capable instance d: it loads what the pool holds beyond its own cache and
+  computes the rest itself (no Prefill RPC); the first token comes out of that step:
 
-then the decode instance d adds its own pull of the blocks its cache lacks and one step:
+      TTFT = queue(d) + pull(pool blocks d lacks) + prefill(uncached on d)
 
-    TTFT(p, d) = TTFT(p) + transfer(blocks d lacks) + TBT(d with this request)
+- disaggregated, prefill on p != d (Mooncake's shape): p loads what the pool holds beyond its
+  cache, computes the rest and saves it; d loads the whole prefix as it arrives and computes
+  the last block:
 
-with TBT(d) predicted at the time the prefill ends, from the decode requests still running
-then (prediction-based rejection: the decode load the request will meet, not today's). A
-decode instance qualifies if that TBT is within the SLO and the request fits its free KV.
+      TTFT = queue(p) + pull(p) + prefill(uncached on p) + save(computed blocks)
+             + pull(blocks d lacks) + TBT(d)
 
-- Keep locality under load: prefill instances within `near_min_*` of the best TTFT are ties,
+A prefill also delays the streams decoding where it computes: d's, for a local route; p's own
+(an instance in the `both` role) and, in proportion to `snapshot.contention(p, d)`, d's when
+the two share cores, for a disaggregated one. A route's cost is its TTFT plus those delays
+(running streams x prefill seconds); the cheapest route that keeps the TTFT and TBT SLOs wins
+(`SchedulerParams.disaggregate` may force one kind). None does: a `Reject` (429 with
+Retry-After) before any work is done.
+
+- Keep locality under load: prefill instances within `near_min_*` of the best are ties,
   broken by the longest local match, so a prefix is not scattered for a negligible gain.
-- Decode affinity: a decode instance already holding the prefix pulls fewer blocks, which the
-  transfer term rewards (multi-turn conversations return to it).
-- Conditional disaggregation: a decode instance whose uncached part of the prompt is at most
-  `local_prefill_max_tokens` may prefill it itself (route p == d: no Prefill RPC, no pull of
-  the prompt's new blocks); it wins when its TTFT is within the tie band of the best pair.
-- Early rejection: if no pair meets the TTFT and TBT SLOs, a `Reject` (429 with
-  Retry-After) before any work is done.
+- Decode affinity: a decode instance already holding the prefix pulls fewer blocks.
+- Prediction-based rejection: TBT(d) is predicted at the time the prefill ends, from the
+  decode requests still running then, so prefill and decode load do not oscillate.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from __future__ import annotations
 from bisect import bisect_right
 
 from conductor.scheduler.policies.estimate import loadable_blocks
-from conductor.snapshot import ClusterSnapshot, Reject, Route, RouteRequest
+from conductor.snapshot import ClusterSnapshot, Reject, Route, RouteRequest, contention
 
 _RETRY_MIN_S = 1.0
 _RETRY_MAX_S = 60.0
@@ -37,17 +43,49 @@ _RETRY_MAX_S = 60.0
 
 def kv_centric(snap: ClusterSnapshot, req: RouteRequest) -> Route | Reject | None:
     prefills, decodes = snap.prefill(), snap.decode()
-    if not prefills or not decodes:
+    if not prefills or not decodes:  # a cluster serves with both roles up, like every policy
         return None
+    prm = snap.params
+    ttft_slo = prm.ttft_slo_s if req.ttft_slo_s is None else req.ttft_slo_s
+    tbt_slo = prm.tbt_slo_s if req.tbt_slo_s is None else req.tbt_slo_s
+    pairs = any(p.instance_id != d.instance_id for p in prefills for d in decodes[:2])
+    routes: list[Route] = []
+    earliest_free = float("inf")
+    if pairs and prm.disaggregate != "never":
+        route, earliest_free = _disaggregated(snap, req, tbt_slo)
+        if route is not None:
+            routes.append(route)
+    if prm.disaggregate != "always" or not pairs:
+        route, free = _local(snap, req, tbt_slo)
+        earliest_free = min(earliest_free, free)
+        if route is not None:
+            routes.append(route)
+    if not routes:
+        now = snap.now
+        wait = earliest_free - now if earliest_free != float("inf") else _RETRY_MIN_S
+        return Reject(f"no decode instance is predicted to keep TBT within {tbt_slo:.3f}s "
+                      "with free KV for this request", _clamp(wait))
+    best = min(routes, key=lambda r: r.cost_s)
+    fast = [r for r in routes if r.predicted_ttft_s <= ttft_slo]
+    if not fast:
+        late = best.predicted_ttft_s - ttft_slo
+        return Reject(f"predicted TTFT {best.predicted_ttft_s:.3f}s exceeds the SLO "
+                      f"{ttft_slo:.3f}s on every instance", _clamp(late))
+    return min(fast, key=lambda r: r.cost_s)
+
+
+def _disaggregated(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
+                   ) -> tuple[Route | None, float]:
+    """The best pair p != d, or None; and the earliest predicted finish on a decode instance
+    that was too loaded (for Retry-After)."""
     prm = snap.params
     now = snap.now
     n = req.num_prompt_tokens
+    prefills = snap.prefill()
     bs = prefills[0].block_size
     loadable = loadable_blocks(n, bs)
     local = req.match.local
     pool = min(req.match.pool, loadable)
-    ttft_slo = prm.ttft_slo_s if req.ttft_slo_s is None else req.ttft_slo_s
-    tbt_slo = prm.tbt_slo_s if req.tbt_slo_s is None else req.tbt_slo_s
     pm = prm.prefill
     tpb, tfix = prm.transfer_s_per_block, prm.transfer_s_fixed
 
@@ -58,16 +96,15 @@ def kv_centric(snap: ClusterSnapshot, req: RouteRequest) -> Route | Reject | Non
     rows = []
     band = float("inf")
     costs: dict[int, float] = {}
-    idle_hits: set[int] = set()  # an idle instance ties with an earlier idle one of equal hit
+    idle_hits: set[tuple[int, bool]] = set()  # an idle instance ties with an earlier like it
     for p in snap.prefill_by_queue():
         queue = p.busy_until - now
-        hit = local.get(p.instance_id, 0) if local else 0
-        if hit > loadable:
-            hit = loadable
+        hit = min(local.get(p.instance_id, 0) if local else 0, loadable)
+        decoding = p.running if p.can_decode() else 0
         if queue <= 0.0:
-            if hit in idle_hits:
+            if (hit, bool(decoding)) in idle_hits:
                 continue
-            idle_hits.add(hit)
+            idle_hits.add((hit, bool(decoding)))
             queue = 0.0
         elif queue + floor > band:
             break
@@ -76,12 +113,15 @@ def kv_centric(snap: ClusterSnapshot, req: RouteRequest) -> Route | Reject | Non
         if cost is None:
             cost = costs[cached] = pm.predict(n - cached * bs, cached * bs)
         ttft = queue + cost + (tfix + (pool - hit) * tpb if pool > hit else 0.0)
-        rows.append((ttft, hit, p, cached, cost))
-        if ttft * (1.0 + prm.near_min_rel) + prm.near_min_abs_s < band:
-            band = ttft * (1.0 + prm.near_min_rel) + prm.near_min_abs_s
-    ttft_p, _, p, cached, cost = max((r for r in rows if r[0] <= band),
-                                     key=lambda r: (r[1], -r[0]))
-    uncached = n - cached * bs
+        rank = ttft + decoding * cost  # its own streams wait for this prefill
+        rows.append((rank, hit, p, cached, cost, ttft))
+        if rank * (1.0 + prm.near_min_rel) + prm.near_min_abs_s < band:
+            band = rank * (1.0 + prm.near_min_rel) + prm.near_min_abs_s
+    rank_p, _, p, cached, cost, ttft_p = max((r for r in rows if r[0] <= band),
+                                             key=lambda r: (r[1], -r[0]))
+    stall_p = rank_p - ttft_p
+    computed = max(loadable - cached, 0)
+    save = tfix + computed * tpb if computed else 0.0
 
     # ---- decode side, at the time the prefill is predicted to end
     tm = prm.tbt
@@ -90,10 +130,11 @@ def kv_centric(snap: ClusterSnapshot, req: RouteRequest) -> Route | Reject | Non
     arrive = now + ttft_p
     kv_need = n + req.max_tokens
     full_pull = tfix + loadable * tpb if loadable else 0.0
-    d_best = None
-    d_score = d_tbt = 0.0
+    best = None  # (score, d, tbt, pull, stall)
     earliest_free = float("inf")
     for load_s, room, fin, iid, d in snap.decode_rows():
+        if iid == p.instance_id:
+            continue
         tbt = base + load_s
         if fin and fin[0] <= arrive:
             tbt -= per_seq * bisect_right(fin, arrive)
@@ -101,63 +142,61 @@ def kv_centric(snap: ClusterSnapshot, req: RouteRequest) -> Route | Reject | Non
             if fin and fin[0] < earliest_free:
                 earliest_free = fin[0]
             continue
-        score = tbt + full_pull
+        pull = full_pull
         if local:
             hit = local.get(iid)
             if hit:
-                score = tbt + (tfix + (loadable - hit) * tpb if hit < loadable else 0.0)
-        if d_best is None or score < d_score:
-            d_best, d_score, d_tbt = d, score, tbt
-    if d_best is None:
-        wait = earliest_free - now if earliest_free != float("inf") else _RETRY_MIN_S
-        return Reject(f"no decode instance is predicted to keep TBT within {tbt_slo:.3f}s "
-                      "with free KV for this request", _clamp(wait))
-    route = Route(prefill_id=p.instance_id, decode_id=d_best.instance_id, cached_blocks=cached,
-                  uncached_tokens=uncached, prefill_s=cost,
-                  predicted_ttft_s=ttft_p + d_score, predicted_tbt_s=d_tbt)
-
-    # ---- conditional disaggregation: a short uncached part prefilled on the decode instance
-    if n - best_hit * bs <= prm.local_prefill_max_tokens:
-        route = _maybe_local(snap, req, route, loadable, pool, tbt_slo) or route
-
-    if route.predicted_ttft_s > ttft_slo:
-        late = route.predicted_ttft_s - ttft_slo
-        return Reject(f"predicted TTFT {route.predicted_ttft_s:.3f}s exceeds the SLO "
-                      f"{ttft_slo:.3f}s on every instance", _clamp(late))
-    return route
+                pull = tfix + (loadable - hit) * tpb if hit < loadable else 0.0
+        share = contention(p, d)
+        stall = share * d.running * cost if share and d.running else 0.0
+        score = tbt + pull + stall
+        if best is None or score < best[0]:
+            best = (score, d, tbt, pull, stall)
+    if best is None:
+        return None, earliest_free
+    _, d, tbt, pull, stall = best
+    ttft = ttft_p + save + pull + tbt
+    return Route(prefill_id=p.instance_id, decode_id=d.instance_id, cached_blocks=cached,
+                 uncached_tokens=n - cached * bs, prefill_s=cost, predicted_ttft_s=ttft,
+                 predicted_tbt_s=tbt, cost_s=ttft + stall_p + stall), earliest_free
 
 
-def _maybe_local(snap: ClusterSnapshot, req: RouteRequest, pair: Route, loadable: int,
-                 pool: int, tbt_slo: float) -> Route | None:
-    """The best decode instance to prefill the request itself, if it is as good as `pair`."""
+def _local(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
+           ) -> tuple[Route | None, float]:
+    """The cheapest decode instance computing the prompt itself, or None; and the earliest
+    predicted finish on one that was too loaded."""
     prm = snap.params
+    now = snap.now
     n = req.num_prompt_tokens
-    limit = prm.local_prefill_max_tokens
     local = req.match.local
     best: Route | None = None
+    earliest_free = float("inf")
+    costs: dict[int, float] = {}
     for d in snap.decode():
         bs = d.block_size
-        hit = min(local.get(d.instance_id, 0), loadable)
-        cached = max(hit, pool)
-        u = n - cached * bs
-        if u > limit or (d.kv_capacity_tokens
-                         and d.kv_tokens + n + req.max_tokens > d.kv_capacity_tokens):
-            continue
-        running = d.running - bisect_right(d.finishes, snap.now)
+        loadable = loadable_blocks(n, bs)
+        pool = min(req.match.pool, loadable)
+        hit = min(local.get(d.instance_id, 0), loadable) if local else 0
+        running = d.running - bisect_right(d.finishes, now)
         tbt = prm.tbt.predict(running + 1, d.kv_tokens + n)
-        if tbt > tbt_slo:
+        if tbt > tbt_slo or (d.kv_capacity_tokens
+                             and d.kv_tokens + n + req.max_tokens > d.kv_capacity_tokens):
+            if d.finishes and d.finishes[0] < earliest_free:
+                earliest_free = d.finishes[0]
             continue
-        cost = prm.prefill.predict(u, cached * bs)
-        xfer = prm.transfer_s_fixed + (pool - hit) * prm.transfer_s_per_block if pool > hit else 0.0
-        ttft = max(d.busy_until - snap.now, 0.0) + cost + xfer + tbt
-        if best is None or ttft < best.predicted_ttft_s:
+        cached = max(hit, pool)
+        cost = costs.get(cached)
+        if cost is None:
+            cost = costs[cached] = prm.prefill.predict(n - cached * bs, cached * bs)
+        pull = prm.transfer_s_fixed + (pool - hit) * prm.transfer_s_per_block \
+            if pool > hit else 0.0
+        ttft = max(d.busy_until - now, 0.0) + pull + cost
+        total = ttft + max(running, 0) * cost
+        if best is None or total < best.cost_s:
             best = Route(prefill_id=d.instance_id, decode_id=d.instance_id, cached_blocks=cached,
-                         uncached_tokens=u, prefill_s=cost, predicted_ttft_s=ttft,
-                         predicted_tbt_s=tbt)
-    band = pair.predicted_ttft_s * (1.0 + prm.near_min_rel) + prm.near_min_abs_s
-    if best is not None and best.predicted_ttft_s <= band:
-        return best
-    return None
+                         uncached_tokens=n - cached * bs, prefill_s=cost, predicted_ttft_s=ttft,
+                         predicted_tbt_s=tbt, cost_s=total)
+    return best, earliest_free
 
 
 def _clamp(seconds: float) -> float:

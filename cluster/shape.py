@@ -1,0 +1,139 @@
+"""The embedded cluster's shape: how many engines in which roles, and which cores each computes
+on, for the machine it runs on (`choose`), or as the operator asked.
+
+Measured on a 2-core machine (docs/benchmarks.md, `make bench-serve`): engines that share
+cores time-slice them, so a prefill on one stalls the streams of the other, and one engine
+with every core serves a tiny model's requests faster than two with one core each. So:
+
+- GPUs: one engine per GPU, each in the `both` role; the conductor's policy disaggregates a
+  request (prefill on one, decode on another) where its models say that pays.
+- CPU: one core left to the serving processes (the conductor, each worker's front end:
+  gRPC, detokenizing; etcd, the store master), as vLLM's CPU guide advises for its own front
+  end: an engine's OpenMP threads meet at a barrier every step, so one thread preempted by a
+  front end stalls the whole step (measured here: 5.4 ms per output token with the engine on
+  both cores, 4.4 ms on one). Then one `both` engine per `CORES_PER_ENGINE` of the other
+  cores (at least one), each bound to cores of its own, so that engines never fight either.
+
+An explicit shape (`--prefill N --decode N --both N`) gets the cores shared out the same way
+(the serving core kept while there are more cores than engines); engines outnumbering the
+cores share them unbound, one thread each.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from cluster.instance import cpu_list, format_cpu_list
+
+RESERVED_CORES = 1
+"""Cores kept for the serving processes when there is more than one."""
+CORES_PER_ENGINE = 8
+"""CPU cores per engine when the shape is chosen: fewer engines with more threads each, since
+a second engine only pays once the first has cores it cannot use well (not measured beyond
+this machine's 2 cores; override with --both N)."""
+
+
+@dataclass(frozen=True)
+class Engine:
+    role: str
+    cpu_bind: str
+    """`VLLM_CPU_OMP_THREADS_BIND`: a CPU list of its own, or "nobind"."""
+    threads: int
+    """`OMP_NUM_THREADS`."""
+    gpu: str = ""
+    """`CUDA_VISIBLE_DEVICES`, on a GPU machine."""
+    shared: bool = False
+    """Its cores are shared (with another engine or the serving processes): its vLLM processes
+    must not busy-wait between steps (`worker/vllm_plugin.py`)."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    engines: tuple[Engine, ...]
+    reason: str
+    serving: str = ""
+    """The cores kept for the serving processes (a CPU list; "": none kept): the conductor
+    and the workers' own processes run there (`SERVING_CPUS_ENV`), the engines' threads on
+    theirs."""
+
+    def count(self, role: str) -> int:
+        return sum(e.role == role for e in self.engines)
+
+    def describe(self) -> str:
+        parts = [f"{self.count(r)} {r}" for r in ("prefill", "decode", "both") if self.count(r)]
+        places = ", ".join(f"{e.role}: {'gpu ' + e.gpu if e.gpu else 'cores ' + e.cpu_bind}"
+                           f" x{e.threads}" for e in self.engines)
+        return f"{' + '.join(parts)} ({places}): {self.reason}"
+
+
+def machine_cores() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        return list(range(os.cpu_count() or 1))
+
+
+def choose(cores: list[int], gpus: int = 0, prefill: int | None = None,
+           decode: int | None = None, both: int | None = None) -> Shape:
+    """The shape for these cores and GPUs; counts given (any of them) override the choice."""
+    if prefill is not None or decode is not None or both is not None:
+        roles = ["prefill"] * (prefill or 0) + ["decode"] * (decode or 0) + ["both"] * (both or 0)
+        if not roles:
+            raise ValueError("a cluster needs at least one engine")
+        if not any(r != "prefill" for r in roles) or not any(r != "decode" for r in roles):
+            raise ValueError("a cluster needs a prefill-capable and a decode-capable engine")
+        usable = _engine_cores(cores, len(roles))
+        plan = _place(roles, usable, gpus, "as asked", shared=len(usable) == len(cores))
+        kept = set(cores) - set(usable)
+        return Shape(plan.engines, plan.reason, format_cpu_list(kept)) if kept else plan
+    if gpus:
+        return _place(["both"] * gpus, cores, gpus,
+                      f"{gpus} GPU(s): one engine each, the policy disaggregates where it pays")
+    usable = _engine_cores(cores, 1)
+    n = max(1, len(usable) // CORES_PER_ENGINE)
+    kept = f"{len(cores) - len(usable)} for the serving processes, " if len(usable) < len(
+        cores) else ""
+    why = (f"{len(cores)} cores: {kept}one engine on the rest (engines sharing cores stall "
+           "each other's streams)" if n == 1 else
+           f"{len(cores)} cores: {kept}{n} engines of {len(usable) // n} cores each")
+    plan = _place(["both"] * n, usable, 0, why)
+    kept = set(cores) - set(usable)
+    return Shape(plan.engines, plan.reason, format_cpu_list(kept)) if kept else plan
+
+
+def _engine_cores(cores: list[int], engines: int) -> list[int]:
+    """The cores engines compute on: all but the serving ones, while that leaves each one."""
+    if len(cores) - RESERVED_CORES >= engines:
+        return cores[RESERVED_CORES:]
+    return cores
+
+
+def _place(roles: list[str], cores: list[int], gpus: int, reason: str,
+           shared: bool = False) -> Shape:
+    """`shared`: the cores are the serving processes' too."""
+    if gpus:
+        return Shape(tuple(Engine(r, "nobind", 1, gpu=str(i % gpus))
+                           for i, r in enumerate(roles)), reason)
+    n = len(roles)
+    if n > len(cores):  # more engines than cores: unbound, one thread each
+        return Shape(tuple(Engine(r, "nobind", 1, shared=True) for r in roles),
+                     reason + f"; {n} engines on {len(cores)} cores share them")
+    per = len(cores) // n
+    return Shape(tuple(Engine(r, format_cpu_list(set(cores[i * per:(i + 1) * per])), per,
+                              shared=shared) for i, r in enumerate(roles)), reason)
+
+
+SERVING_CPUS_ENV = "KVCLUSTER_SERVING_CPUS"
+
+
+def serve_on_serving_cores() -> None:
+    """Keep this process (and the processes it starts, which inherit it) on the serving cores,
+    if the launcher kept some (`SERVING_CPUS_ENV`); an engine's compute threads bind to their
+    own cores regardless."""
+    cpus = cpu_list(os.environ.get(SERVING_CPUS_ENV, ""))
+    if cpus:
+        try:
+            os.sched_setaffinity(0, cpus)
+        except (OSError, AttributeError):
+            pass

@@ -1,0 +1,90 @@
+"""Where a request's time goes: the timeline's stages, the `kvcluster_stage_seconds` histogram
+and the OpenTelemetry spans, over fake workers that report engine times."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+from fake_worker import Knobs, LocalConductor
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from conductor.timeline import Timeline
+from conductor.tracing import Tracing
+from protos import worker_pb2
+
+
+def test_an_rpc_splits_into_send_engine_stages_and_return():
+    tl = Timeline(received=100.0)
+    for name, at in (("prepared", 100.001), ("routed", 100.002), ("prefill_sent", 100.003),
+                     ("decode_sent", 100.003), ("prefill_done", 100.050),
+                     ("first_chunk", 100.080), ("first_token", 100.081),
+                     ("last_token", 100.200)):
+        tl.mark(name, at)
+    tl.engine("prefill", worker_pb2.EngineTimes(received=100.004, queued=100.005,
+                                                scheduled=100.006, first_token=100.046))
+    tl.engine("decode", worker_pb2.EngineTimes(received=100.004, queued=100.060,
+                                               scheduled=100.068, first_token=100.075,
+                                               held=0.050, kv_wait=0.002, kv_load=0.003))
+    st = tl.stages()
+    assert st["prefill"] == pytest.approx(st["prefill_send"] + st["prefill_queue"]
+                                          + st["prefill_compute"] + st["prefill_return"])
+    assert st["decode_start"] == pytest.approx(st["decode_send"] + st["kv_wait"]
+                                               + st["kv_load"] + st["decode_queue"]
+                                               + st["decode_compute"] + st["decode_return"])
+    assert st["kv_wait"] == pytest.approx(0.052)  # held by the worker, then in the engine
+    assert st["ttft"] == pytest.approx(0.081) and st["decode"] == pytest.approx(0.119)
+
+
+def test_later_engine_times_complete_earlier_ones():
+    tl = Timeline(received=1.0)
+    tl.engine("decode", worker_pb2.EngineTimes(queued=2.0, scheduled=3.0, first_token=4.0))
+    tl.engine("decode", worker_pb2.EngineTimes(kv_wait=0.5, kv_load=0.25))
+    assert tl.decode.queued == 2.0 and tl.decode.kv_load == 0.25
+
+
+@pytest.fixture
+def traced(model_dir):
+    knobs = Knobs(engine_times=True, prefill_delay_s=0.02)
+    with LocalConductor(model_dir, knobs=knobs,
+                        conductor_args=("--disaggregate", "always")) as c:
+        exporter = InMemorySpanExporter()
+        c.app.state.conductor.metrics.tracing = Tracing(SimpleSpanProcessor(exporter))
+        yield c, exporter
+
+
+def test_a_request_exports_its_spans_under_the_callers_trace(traced):
+    c, exporter = traced
+    trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    r = httpx.post(f"{c.url}/v1/completions", timeout=30,
+                   headers={"traceparent": f"00-{trace_id}-{parent}-01"},
+                   json={"prompt": "word " * 80, "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert {"request", "parse", "route", "prefill", "decode", "engine.queue",
+            "engine.compute", "kv.hold"} <= set(spans)
+    root = spans["request"]
+    assert f"{root.context.trace_id:032x}" == trace_id
+    assert f"{root.parent.span_id:016x}" == parent
+    assert root.attributes["request_id"] == r.headers["x-request-id"]
+    for name in ("parse", "route", "prefill", "decode"):
+        assert spans[name].parent.span_id == root.context.span_id
+        assert root.start_time <= spans[name].start_time <= spans[name].end_time <= root.end_time
+    assert spans["kv.hold"].parent.span_id == spans["decode"].context.span_id
+    assert any(e.name == "first_token" for e in spans["decode"].events)
+
+
+def test_without_a_tracer_no_span_and_the_histogram_still_counts(model_dir):
+    with LocalConductor(model_dir, knobs=Knobs(engine_times=True),
+                        conductor_args=("--disaggregate", "always")) as c:
+        assert c.app.state.conductor.metrics.tracing is None  # off unless configured
+        for _ in range(2):
+            assert httpx.post(f"{c.url}/v1/completions", timeout=30, json={
+                "prompt": "word " * 80, "max_tokens": 3}).status_code == 200
+        text = httpx.get(f"{c.url}/metrics", timeout=10).text
+    counts = dict(re.findall(r'kvcluster_stage_seconds_count\{stage="(\w+)"\} ([0-9.]+)', text))
+    for stage in ("parse", "route", "prefill", "prefill_compute", "decode_start",
+                  "decode_compute", "kv_wait", "ttft", "decode"):
+        assert float(counts[stage]) == 2.0, (stage, counts)
