@@ -12,6 +12,7 @@ STAMP   := $(VENV)/.installed-$(EXTRA)
 PORT    ?= 8000
 MODEL   ?=
 PYTEST_ARGS ?=
+ARGS    ?=
 
 .PHONY: install sysdeps run test lint model clean bench bench-sched bench-kv
 
@@ -44,7 +45,7 @@ model: install
 	$(PY) -m tinymodel
 
 run: install
-	$(PY) -m conductor.launcher --port $(PORT) $(if $(MODEL),--model $(MODEL))
+	$(PY) -m conductor.launcher --port $(PORT) $(if $(MODEL),--model $(MODEL)) $(ARGS)
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -62,6 +63,15 @@ bench-kv: install
 	$(PY) -m benchmarks.bench_kv
 
 bench: bench-sched bench-kv
+
+# vLLM's own `vllm bench serve` against the shape `make run` picks, the cluster forced into one
+# prefill + one decode, and a plain `vllm serve` of the same model, cores and KV memory, with
+# each request's timeline (last line: summary). About 10 minutes per repetition.
+# SERVE_ARGS: e.g. --reps 3 --datasets random.
+SERVE_ARGS ?=
+.PHONY: bench-serve
+bench-serve: install
+	$(PY) -m benchmarks.bench_serve $(SERVE_ARGS)
 
 # Our conductor (kv_centric, round_robin) against vllm-router's PD mode and one colocated vLLM
 # server, on real engines and the same cores, three workloads; results in docs/e2e/ (last line:

@@ -41,6 +41,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.machine import cpu_model
+
 GB = 1e9
 MiB = 1 << 20
 BLOCK_SIZE = 32
@@ -79,16 +81,6 @@ def model_shape(model: str) -> Shape:
     return Shape(layers=cfg["num_hidden_layers"],
                  kv_heads=cfg.get("num_key_value_heads", heads),
                  head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads)
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 # ------------------------------------------------------------------------------ limits

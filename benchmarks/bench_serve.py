@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.machine import describe
 from cluster.ports import free_port
 from cluster.process import ManagedProcess
 
@@ -66,9 +66,12 @@ class Running:
 class Result:
     arm: str
     dataset: str
+    rep: int
     bench: dict
     stages: dict[str, dict[str, float]] = field(default_factory=dict)
     """stage -> {"p50": ms, "mean": ms, "n": count}"""
+    errors: list[str] = field(default_factory=list)
+    """What vLLM's client saw of the failed requests."""
     engine: dict[str, float] = field(default_factory=dict)
     """The plain server's mean queue / prefill / decode seconds per request (vLLM's metrics)."""
 
@@ -131,7 +134,8 @@ def run_bench(r: Running, model_dir: str, dataset: str, rate: float, prompts: in
             "--request-rate", str(rate), "--num-prompts", str(prompts), "--ignore-eos",
             "--seed", str(seed), "--num-warmups", "4", "--request-id-prefix", f"{tag}-",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-            "--save-result", "--result-dir", str(out), "--result-filename", f"{tag}.json"]
+            "--save-result", "--save-detailed", "--result-dir", str(out),
+            "--result-filename", f"{tag}.json"]
     env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=1800)
     (out / f"{tag}.log").write_text(proc.stdout + proc.stderr)
@@ -192,58 +196,73 @@ def scrape(url: str) -> dict[str, float]:
 # ----------------------------------------------------------------------------- report
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB, Python {platform.python_version()}"
+KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_itl_ms")
+
+
+def cells(results: list[Result]) -> dict[tuple[str, str], list[Result]]:
+    """The repetitions of every (arm, dataset), in order."""
+    out: dict[tuple[str, str], list[Result]] = {}
+    for r in results:
+        out.setdefault((r.arm, r.dataset), []).append(r)
+    return out
+
+
+def median_of(rs: list[Result], key: str) -> float:
+    return statistics.median(r.bench[key] for r in rs)
+
+
+def spread(rs: list[Result], key: str) -> str:
+    """`median` with the range over repetitions when there are several."""
+    vals = [r.bench[key] for r in rs]
+    med = statistics.median(vals)
+    return f"{med:.1f}" if len(vals) == 1 else f"{med:.1f} ({min(vals):.1f}-{max(vals):.1f})"
 
 
 def table(results: list[Result]) -> str:
-    rows = ["| dataset | arm | ok/n | TTFT p50 | TTFT p99 | TPOT p50 | ITL p99 | TTFT x plain "
-            "| TPOT x plain |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    plain = {r.dataset: r.bench for r in results if r.arm == "plain"}
-    for r in results:
-        b, p = r.bench, plain.get(r.dataset)
-        n = b["completed"] + b.get("failed", 0)
-        rows.append(
-            f"| {r.dataset} | {r.arm} | {b['completed']}/{n} | {b['median_ttft_ms']:.1f} | "
-            f"{b['p99_ttft_ms']:.1f} | {b['median_tpot_ms']:.2f} | {b['p99_itl_ms']:.1f} | "
-            + (f"{b['median_ttft_ms'] / p['median_ttft_ms']:.2f} | "
-               f"{b['median_tpot_ms'] / p['median_tpot_ms']:.2f} |" if p else "| |"))
+    rows = ["| dataset | arm | ok/n | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p99 ms "
+            "| TTFT x plain | TPOT x plain |", "| --- | --- | ---: | ---: | ---: | ---: | ---: "
+            "| ---: | ---: |"]
+    c = cells(results)
+    for (arm, ds), rs in sorted(c.items(), key=lambda kv: (kv[0][1], ARMS.index(kv[0][0]))):
+        ok = sum(r.bench["completed"] for r in rs)
+        n = ok + sum(r.bench.get("failed", 0) for r in rs)
+        plain = c.get(("plain", ds))
+        ratio = (f"{median_of(rs, 'median_ttft_ms') / median_of(plain, 'median_ttft_ms'):.2f} | "
+                 f"{median_of(rs, 'median_tpot_ms') / median_of(plain, 'median_tpot_ms'):.2f} |"
+                 if plain else " | |")
+        rows.append(f"| {ds} | {arm} | {ok}/{n} | " + " | ".join(spread(rs, k) for k in KEYS)
+                    + " | " + ratio)
     return "\n".join(rows)
 
 
 def stage_table(results: list[Result]) -> str:
+    """Per stage, the median over repetitions of each one's p50 (ms)."""
     rows = ["| dataset | arm | " + " | ".join(STAGE_ORDER) + " |",
             "| --- | --- |" + " ---: |" * len(STAGE_ORDER)]
-    for r in results:
-        if r.stages:
-            rows.append(f"| {r.dataset} | {r.arm} (p50 ms) | " + " | ".join(
-                f"{r.stages[s]['p50']:.1f}" if s in r.stages else "" for s in STAGE_ORDER)
-                + " |")
-        elif r.engine:
-            e = r.engine
-            rows.append(f"| {r.dataset} | {r.arm} (vLLM means, ms) | queue "
-                        f"{e.get('request_queue_time', 0) * 1e3:.1f} | prefill "
-                        f"{e.get('request_prefill_time', 0) * 1e3:.1f} | ttft "
-                        f"{e.get('time_to_first_token', 0) * 1e3:.1f} |"
-                        + " |" * (len(STAGE_ORDER) - 3))
+    for (arm, ds), rs in sorted(cells(results).items()):
+        if any(r.stages for r in rs):
+            rows.append(f"| {ds} | {arm} | " + " | ".join(_stage_p50(rs, s) for s in STAGE_ORDER)
+                        + " |")
+        else:
+            e = {k: statistics.median(r.engine.get(k, 0.0) for r in rs) * 1e3
+                 for k in ("request_queue_time", "request_prefill_time", "time_to_first_token")}
+            rows.append(f"| {ds} | {arm} (vLLM's means) | queue {e['request_queue_time']:.1f} "
+                        f"| prefill {e['request_prefill_time']:.1f} | TTFT "
+                        f"{e['time_to_first_token']:.1f} |" + " |" * (len(STAGE_ORDER) - 3))
     return "\n".join(rows)
 
 
+def _stage_p50(rs: list[Result], stage: str) -> str:
+    vals = [r.stages[stage]["p50"] for r in rs if stage in r.stages]
+    return f"{statistics.median(vals):.1f}" if vals else ""
+
+
 def summary(results: list[Result]) -> str:
-    plain = {r.dataset: r.bench for r in results if r.arm == "plain"}
+    c = cells(results)
 
     def worst(arm: str, key: str) -> float:
-        ratios = [r.bench[key] / plain[r.dataset][key] for r in results
-                  if r.arm == arm and r.dataset in plain]
+        ratios = [median_of(rs, key) / median_of(c[("plain", ds)], key)
+                  for (a, ds), rs in c.items() if a == arm and ("plain", ds) in c]
         return max(ratios) if ratios else float("nan")
 
     failed = sum(r.bench.get("failed", 0) for r in results if r.arm != "plain")
@@ -266,10 +285,11 @@ def plot(results: list[Result], path: Path) -> None:
         width = 0.8 / max(len(arms), 1)
         for i, arm in enumerate(arms):
             med, p99 = [], []
+            c = cells(results)
             for d in datasets:
-                b = next((r.bench for r in results if r.arm == arm and r.dataset == d), None)
-                med.append(b[f"median_{key}_ms"] if b else 0)
-                p99.append(b[f"p99_{key}_ms"] if b else 0)
+                rs = c.get((arm, d))
+                med.append(median_of(rs, f"median_{key}_ms") if rs else 0)
+                p99.append(median_of(rs, f"p99_{key}_ms") if rs else 0)
             xs = [j + i * width for j in range(len(datasets))]
             ax.bar(xs, med, width, label=f"{arm} p50")
             ax.scatter(xs, p99, marker="_", s=200, color="black")
@@ -284,6 +304,44 @@ def plot(results: list[Result], path: Path) -> None:
 # ----------------------------------------------------------------------------- main
 
 
+def run_arm(arm: str, rep: int, a: argparse.Namespace, model: str, datasets: list[str],
+            out: Path) -> list[Result]:
+    """Start the arm, run every dataset on it (fresh prompts each repetition), stop it."""
+    t0 = time.monotonic()
+    run_dir = Path(f"/tmp/kvcluster-bench-serve-{arm}-{uuid.uuid4().hex[:6]}")
+    if arm == "plain":
+        from conductor.launcher import spec_from_args
+
+        spec = spec_from_args(a.auto_args.split())
+        r = start_plain(model, spec.kv_cache_bytes * spec.engines(), spec.block_size,
+                        spec.max_model_len, run_dir)
+    else:
+        r = start_ours(arm, (a.auto_args if arm == "auto" else a.pd_args).split(), run_dir)
+    print(f"[{arm} #{rep}] up in {time.monotonic() - t0:.0f}s: {r.shape}", flush=True)
+    results = []
+    try:
+        for n, ds in enumerate(datasets):
+            before = scrape(r.engine_metrics) if r.engine_metrics else {}
+            offset = r.conductor_log.stat().st_size if r.conductor_log else 0
+            t1 = time.monotonic()
+            bench = run_bench(r, model, ds, a.rate, a.num_prompts,
+                              a.seed + 100 * rep + n, out / "runs")
+            res = Result(arm, ds, rep, {k: v for k, v in bench.items()
+                                        if not isinstance(v, list)},
+                         errors=[e for e in bench.get("errors", []) if e][:10])
+            if r.conductor_log is not None:
+                res.stages = timeline_stages(r.conductor_log, offset)
+            if r.engine_metrics:
+                res.engine = engine_means(before, scrape(r.engine_metrics))
+            results.append(res)
+            print(f"[{arm} #{rep}/{ds}] {time.monotonic() - t1:.0f}s: ok {bench['completed']}, "
+                  f"failed {bench.get('failed', 0)}, TTFT p50 {bench['median_ttft_ms']:.1f} "
+                  f"ms, TPOT p50 {bench['median_tpot_ms']:.2f} ms", flush=True)
+    finally:
+        r.stop()
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench-serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--arms", default=",".join(ARMS))
@@ -291,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=4.0, help="requests/s (Poisson)")
     p.add_argument("--num-prompts", type=int, default=60)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reps", type=int, default=1, help="repetitions of every arm, interleaved")
     p.add_argument("--out", default=str(ROOT / "docs" / "serve"))
     p.add_argument("--auto-args", default="", help="extra launcher flags for the auto arm")
     p.add_argument("--pd-args", default="--prefill 1 --decode 1 --disaggregate always",
@@ -303,45 +362,15 @@ def main(argv: list[str] | None = None) -> int:
     (out / "runs").mkdir(parents=True, exist_ok=True)
     arms = a.arms.split(",")
     datasets = a.datasets.split(",")
-    print(f"machine: {machine()}", flush=True)
+    print(f"machine: {describe()}", flush=True)
     print(f"arms {arms}, datasets {datasets}, {a.num_prompts} prompts at {a.rate} req/s",
           flush=True)
     results: list[Result] = []
-    kv_total = 0
-    for arm in arms:
-        t0 = time.monotonic()
-        run_dir = Path(f"/tmp/kvcluster-bench-serve-{arm}-{uuid.uuid4().hex[:6]}")
-        if arm == "plain":
-            from conductor.launcher import spec_from_args
-
-            spec = spec_from_args(a.auto_args.split())
-            kv = kv_total or spec.kv_cache_bytes * spec.engines()
-            r = start_plain(model, kv, spec.block_size, spec.max_model_len, run_dir)
-        else:
-            args = (a.auto_args if arm == "auto" else a.pd_args).split()
-            r = start_ours(arm, args, run_dir)
-        print(f"[{arm}] up in {time.monotonic() - t0:.0f}s: {r.shape}", flush=True)
-        try:
-            for n, ds in enumerate(datasets):
-                before = scrape(r.engine_metrics) if r.engine_metrics else {}
-                offset = r.conductor_log.stat().st_size if r.conductor_log else 0
-                t1 = time.monotonic()
-                bench = run_bench(r, model, ds, a.rate, a.num_prompts, a.seed + n, out / "runs")
-                res = Result(arm, ds, {k: v for k, v in bench.items()
-                                       if not isinstance(v, list)})
-                if r.conductor_log is not None:
-                    res.stages = timeline_stages(r.conductor_log, offset)
-                if r.engine_metrics:
-                    res.engine = engine_means(before, scrape(r.engine_metrics))
-                results.append(res)
-                print(f"[{arm}/{ds}] {time.monotonic() - t1:.0f}s: ok {bench['completed']}, "
-                      f"failed {bench.get('failed', 0)}, TTFT p50 "
-                      f"{bench['median_ttft_ms']:.1f} ms, TPOT p50 "
-                      f"{bench['median_tpot_ms']:.2f} ms", flush=True)
-        finally:
-            r.stop()
+    for rep in range(a.reps):  # arms interleaved: drift on the machine hits them alike
+        for arm in arms:
+            results += run_arm(arm, rep, a, model, datasets, out)
     (out / "results.json").write_text(json.dumps(
-        {"machine": machine(), "args": vars(a), "results": [r.__dict__ for r in results]},
+        {"machine": describe(), "args": vars(a), "results": [r.__dict__ for r in results]},
         indent=1))
     print("\n" + table(results) + "\n\n" + stage_table(results) + "\n")
     if len(results) > 1:

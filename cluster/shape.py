@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from cluster.instance import cpu_list, format_cpu_list
+from cluster.instance import format_cpu_list
 
 RESERVED_CORES = 1
 """Cores kept for the serving processes when there is more than one."""
@@ -52,10 +52,6 @@ class Engine:
 class Shape:
     engines: tuple[Engine, ...]
     reason: str
-    serving: str = ""
-    """The cores kept for the serving processes (a CPU list; "": none kept): the conductor
-    and the workers' own processes run there (`SERVING_CPUS_ENV`), the engines' threads on
-    theirs."""
 
     def count(self, role: str) -> int:
         return sum(e.role == role for e in self.engines)
@@ -84,9 +80,7 @@ def choose(cores: list[int], gpus: int = 0, prefill: int | None = None,
         if not any(r != "prefill" for r in roles) or not any(r != "decode" for r in roles):
             raise ValueError("a cluster needs a prefill-capable and a decode-capable engine")
         usable = _engine_cores(cores, len(roles))
-        plan = _place(roles, usable, gpus, "as asked", shared=len(usable) == len(cores))
-        kept = set(cores) - set(usable)
-        return Shape(plan.engines, plan.reason, format_cpu_list(kept)) if kept else plan
+        return _place(roles, usable, gpus, "as asked", shared=len(usable) == len(cores))
     if gpus:
         return _place(["both"] * gpus, cores, gpus,
                       f"{gpus} GPU(s): one engine each, the policy disaggregates where it pays")
@@ -97,9 +91,7 @@ def choose(cores: list[int], gpus: int = 0, prefill: int | None = None,
     why = (f"{len(cores)} cores: {kept}one engine on the rest (engines sharing cores stall "
            "each other's streams)" if n == 1 else
            f"{len(cores)} cores: {kept}{n} engines of {len(usable) // n} cores each")
-    plan = _place(["both"] * n, usable, 0, why)
-    kept = set(cores) - set(usable)
-    return Shape(plan.engines, plan.reason, format_cpu_list(kept)) if kept else plan
+    return _place(["both"] * n, usable, 0, why)
 
 
 def _engine_cores(cores: list[int], engines: int) -> list[int]:
@@ -123,17 +115,3 @@ def _place(roles: list[str], cores: list[int], gpus: int, reason: str,
     return Shape(tuple(Engine(r, format_cpu_list(set(cores[i * per:(i + 1) * per])), per,
                               shared=shared) for i, r in enumerate(roles)), reason)
 
-
-SERVING_CPUS_ENV = "KVCLUSTER_SERVING_CPUS"
-
-
-def serve_on_serving_cores() -> None:
-    """Keep this process (and the processes it starts, which inherit it) on the serving cores,
-    if the launcher kept some (`SERVING_CPUS_ENV`); an engine's compute threads bind to their
-    own cores regardless."""
-    cpus = cpu_list(os.environ.get(SERVING_CPUS_ENV, ""))
-    if cpus:
-        try:
-            os.sched_setaffinity(0, cpus)
-        except (OSError, AttributeError):
-            pass

@@ -5,14 +5,12 @@ from __future__ import annotations
 import uvicorn
 
 from cluster.logging import configure
-from cluster.shape import serve_on_serving_cores
 from conductor.app import create_app
 from conductor.config import parse_args
 
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
-    serve_on_serving_cores()
     configure("conductor")
     uvicorn.run(create_app(config), host=config.host, port=config.port, loop="uvloop",
                 http="httptools", log_level="warning", access_log=False,

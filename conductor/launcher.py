@@ -140,7 +140,7 @@ class EmbeddedCluster:
                           pool_segment_bytes=s.pool_segment_bytes, lease_ttl=s.lease_ttl,
                           pool_store_client=sc.address if sc else "",
                           pool_store_client_segment=sc.segment_name if sc else "",
-                          enforce_eager=s.enforce_eager, env=self._serving_env() + s.worker_env)
+                          enforce_eager=s.enforce_eager, env=s.worker_env)
 
     # -------------------------------------------------------------- start / stop
 
@@ -188,10 +188,6 @@ class EmbeddedCluster:
         else:
             wp.process.stop(timeout=20.0)
 
-    def _serving_env(self) -> tuple[tuple[str, str], ...]:
-        serving = self.spec.shape.serving if self.spec.shape is not None else ""
-        return ((shape.SERVING_CPUS_ENV, serving),) if serving else ()
-
     def start_conductor(self) -> ManagedProcess:
         assert self.etcd is not None
         s = self.spec
@@ -201,7 +197,7 @@ class EmbeddedCluster:
                 "--policy", s.policy]
         if self.master is not None:
             argv += ["--pool-keys-url", self.master.metrics_url.rsplit("/", 1)[0]]
-        env = dict(os.environ, **dict(self._serving_env()))
+        env = dict(os.environ)
         if s.admin_port >= 0:
             self.admin_port = self.admin_port or s.admin_port or free_port()
             if not self.admin_token:

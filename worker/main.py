@@ -14,7 +14,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from cluster.instance import InstanceInfo, cpu_list, format_cpu_list
 from cluster.logging import configure
 from cluster.membership import Registration
-from cluster.shape import serve_on_serving_cores
 from protos import worker_pb2_grpc
 from worker.config import WorkerConfig, parse_args
 from worker.engine import Engine
@@ -89,6 +88,5 @@ def placement(device: str) -> dict:
 
 def main(role: str, argv: list[str] | None = None) -> None:
     config = parse_args(argv, role)
-    serve_on_serving_cores()
     configure(f"{role}_worker")
     asyncio.run(serve(config))

@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -27,6 +25,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from benchmarks.e2e import client, report, systems, workloads
+from benchmarks.machine import describe
 from tinymodel.builder import ModelSpec, ensure_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,19 +43,6 @@ succeeded, its TTFT <= 5 s and its 90th-percentile token gap <= 100 ms. Set from
 speed, once, before comparing systems: a lone cold prefill of a shared_prefix prompt (~2,200
 tokens) took 3-6 s on one engine thread with four engines sharing two cores, a lone decode
 step ~12 ms."""
-
-
-def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB, Python {platform.python_version()}"
 
 
 def _workloads(args: argparse.Namespace, vocab: workloads.Vocab) -> list[workloads.Workload]:
@@ -175,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     run_root = Path(args.run_dir or tempfile.mkdtemp(prefix="bench-e2e-"))
-    print(f"machine: {_machine()}", flush=True)
+    print(f"machine: {describe()}", flush=True)
     model = str(ensure_model(BENCH_MODEL))
     print(f"model: {model} (25.7M params, 4K context); logs in {run_root}", flush=True)
     from transformers import AutoTokenizer
@@ -233,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     bar.close()
 
     result = {
-        "machine": _machine(), "model": model, "engines": asdict(engines),
+        "machine": describe(), "model": model, "engines": asdict(engines),
         "slo": {"ttft_s": TTFT_SLO_S, "tbt_s": TBT_SLO_S},
         "workloads": {w.name: {"description": w.description,
                                "reuse": workloads.reuse_ratio(w, 32)} for w in wls},

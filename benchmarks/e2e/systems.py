@@ -115,7 +115,7 @@ def ours(policy: str, e: Engines, run_dir: Path, ttft_slo_s: float, tbt_slo_s: f
                        max_model_len=e.max_model_len, dtype=e.dtype,
                        kv_cache_bytes=e.kv_cache_bytes, pool_segment_bytes=e.pool_segment_bytes,
                        policy=policy, worker_env=tuple(e.env(e.threads).items()),
-                       pool_shm=e.pool_shm,
+                       pool_shm=e.pool_shm, enforce_eager=False,  # as `vllm serve` runs
                        conductor_args=("--ttft-slo-s", str(ttft_slo_s),
                                        "--tbt-slo-s", str(tbt_slo_s)))
     c = EmbeddedCluster(spec).start(timeout=600)
