@@ -59,9 +59,12 @@ class ClusterSpec:
     engines with this machine's cores shared out (`cluster.shape`)."""
     worker_env: tuple[tuple[str, str], ...] = ()
     """Environment of every worker, after its engine's placement."""
-    pool_shm: bool = False
+    pool_shm: bool = True
     """Workers exchange KV through one standalone `mooncake_client` on this machine (shared
-    memory, memcpy) instead of each contributing a TCP segment (see docs/benchmarks.md)."""
+    memory, memcpy) instead of each contributing a TCP segment: on one host the memcpy path
+    is the faster one (bench-kv), and Mooncake's TCP transfers between busy engine
+    processes stalled for the pool's 5 s timeout here (a burst of 1,800-token prompts on two
+    cores: the reading decode and the writing prefill engine both stopped for ~5 s)."""
     conductor_args: tuple[str, ...] = ()
     enforce_eager: bool = True
     """Engines in eager mode (quick to start: tests) or compiled (faster steps: `make run`)."""
@@ -296,10 +299,10 @@ def parser() -> argparse.ArgumentParser:
                    default=int(os.environ.get("KVCLUSTER_ADMIN_PORT", "8001")),
                    help="the conductor's admin API on 127.0.0.1 (0: a free port, -1: off)")
     p.add_argument("--run-dir", default=os.environ.get("KVCLUSTER_RUN_DIR", "run"))
-    p.add_argument("--pool-shm", action="store_true",
-                   default=os.environ.get("KVCLUSTER_POOL_SHM", "") in ("1", "true", "yes"),
-                   help="KV between workers through one mooncake_client's shared memory "
-                   "(memcpy) instead of TCP segments")
+    p.add_argument("--pool", choices=("shm", "tcp"),
+                   default=os.environ.get("KVCLUSTER_POOL", "shm"),
+                   help="the pool's transport: one mooncake_client's shared memory (memcpy; "
+                   "the default on one host) or each engine's TCP segment (as across hosts)")
     return p
 
 
@@ -315,7 +318,7 @@ def spec_from_args(argv: list[str] | None = None) -> ClusterSpec:
                        etcd_port=a.etcd_port, store_rpc_port=a.store_rpc_port,
                        store_metadata_port=a.store_metadata_port, run_dir=a.run_dir,
                        block_size=a.block_size, max_model_len=a.max_model_len,
-                       admin_port=a.admin_port, pool_shm=a.pool_shm, policy=a.policy,
+                       admin_port=a.admin_port, pool_shm=a.pool == "shm", policy=a.policy,
                        conductor_args=("--disaggregate", a.disaggregate),
                        enforce_eager=a.eager)
 

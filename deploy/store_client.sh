@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Optional, one per node: a standalone mooncake_client owning this node's share of the pool, so
 # the node's workers exchange KV by memcpy in its shared memory instead of over TCP (see
-# README, --pool-shm). Run from any directory; safe to re-run.
+# README, --pool shm). Run from any directory; safe to re-run.
 #
 #   KVCLUSTER_STORE_CLIENT_PORT     its control port, what workers dial          (50052)
 #   KVCLUSTER_STORE_CLIENT_TE_PORT  its transfer-engine port; with the advertised host it

@@ -3,10 +3,10 @@ paged cache while the engine keeps stepping its other requests (vLLM's asynchron
 the request waits in WAITING_FOR_REMOTE_KVS until `take_finished` reports it).
 
 A job may name blocks a prefill elsewhere is still writing: each round asks the pool which of
-every waiting job's next blocks exist (one `batch_is_exist`), loads what arrived (one batch
-read), and sleeps `poll_s`; a job ends when all its blocks are loaded, when its wait is over
-(what has not arrived is recomputed), when a read fails, when the pool is down, or when it is
-cancelled.
+every waiting job's next blocks exist (one `batch_is_exist`), loads what arrived (a read per
+job, of at most `READ_BLOCKS`), and sleeps `poll_s`; a job ends when all its blocks are
+loaded, when its wait is over (what has not arrived is recomputed), when a read fails, when
+the pool is down, or when it is cancelled.
 """
 
 from __future__ import annotations
@@ -50,6 +50,12 @@ class _Active:
 class _Finished:
     results: dict[str, LoadResult] = field(default_factory=dict)
     invalid: set[int] = field(default_factory=set)
+
+
+READ_BLOCKS = 64
+"""Blocks one read moves at most (a longer prefix takes several rounds): Mooncake's TCP
+transport stalled past the pool's 5 s timeout on one read of six 1,800-token prompts at
+once, on two cores busy with prefills."""
 
 
 class Loader:
@@ -117,7 +123,7 @@ class Loader:
                 self._wake.wait(self.poll_s)
 
     def _round(self, active: dict[str, _Active]) -> None:
-        """One exists check and one batch read for every job still waiting."""
+        """One exists check for every job still waiting, then reads of what arrived."""
         todo = [a for a in active.values() if not a.cancelled and a.failed_at is None]
         if not todo:
             return
@@ -135,22 +141,18 @@ class Loader:
             at += left
             if n:
                 reads.append((a, n))
-        if not reads:
-            return
-        t0 = time.monotonic()
-        ok = self.transfer.load(
-            [k for a, n in reads for k in a.job.keys[a.done:a.done + n]],
-            [b for a, n in reads for b in a.job.block_ids[a.done:a.done + n]])
-        spent = time.monotonic() - t0
-        at = 0
-        for a, n in reads:
-            got = ok[at:at + n]
-            at += n
-            a.load_s += spent
-            good = next((i for i, g in enumerate(got) if not g), n)
-            a.done += good
-            if good < n:
-                a.failed_at = a.done
+        for a, n in reads:  # reads per job: a slow or failed read stays that job's
+            end = a.done + n
+            while a.done < end and a.failed_at is None:
+                step = min(end - a.done, READ_BLOCKS)
+                t0 = time.monotonic()
+                ok = self.transfer.load(a.job.keys[a.done:a.done + step],
+                                        a.job.block_ids[a.done:a.done + step])
+                a.load_s += time.monotonic() - t0
+                good = next((i for i, g in enumerate(ok) if not g), step)
+                a.done += good
+                if good < step:
+                    a.failed_at = a.done
 
     def _retire(self, active: dict[str, _Active]) -> None:
         now = time.monotonic()
