@@ -43,9 +43,12 @@ class Engine:
     """`OMP_NUM_THREADS`."""
     gpu: str = ""
     """`CUDA_VISIBLE_DEVICES`, on a GPU machine."""
-    shared: bool = False
-    """Its cores are shared (with another engine or the serving processes): its vLLM processes
-    must not busy-wait between steps (`worker/vllm_plugin.py`)."""
+    busy_wait: bool = False
+    """Whether its vLLM processes may busy-wait between steps as vLLM does (1 s): only on a
+    GPU. On CPU only the engine's OpenMP threads are bound; its engine-core process floats
+    over every core, the serving core too, where a second of spinning after each step starves
+    the conductor and the worker front ends (measured with `make bench-serve`: 10-19 of 60
+    first tokens held 100-930 ms on their way to the conductor; none with a 10 ms spin)."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,7 @@ def choose(cores: list[int], gpus: int = 0, prefill: int | None = None,
         if not any(r != "prefill" for r in roles) or not any(r != "decode" for r in roles):
             raise ValueError("a cluster needs a prefill-capable and a decode-capable engine")
         usable = _engine_cores(cores, len(roles))
-        return _place(roles, usable, gpus, "as asked", shared=len(usable) == len(cores))
+        return _place(roles, usable, gpus, "as asked")
     if gpus:
         return _place(["both"] * gpus, cores, gpus,
                       f"{gpus} GPU(s): one engine each, the policy disaggregates where it pays")
@@ -101,17 +104,15 @@ def _engine_cores(cores: list[int], engines: int) -> list[int]:
     return cores
 
 
-def _place(roles: list[str], cores: list[int], gpus: int, reason: str,
-           shared: bool = False) -> Shape:
-    """`shared`: the cores are the serving processes' too."""
+def _place(roles: list[str], cores: list[int], gpus: int, reason: str) -> Shape:
     if gpus:
-        return Shape(tuple(Engine(r, "nobind", 1, gpu=str(i % gpus))
+        return Shape(tuple(Engine(r, "nobind", 1, gpu=str(i % gpus), busy_wait=True)
                            for i, r in enumerate(roles)), reason)
     n = len(roles)
     if n > len(cores):  # more engines than cores: unbound, one thread each
-        return Shape(tuple(Engine(r, "nobind", 1, shared=True) for r in roles),
+        return Shape(tuple(Engine(r, "nobind", 1) for r in roles),
                      reason + f"; {n} engines on {len(cores)} cores share them")
     per = len(cores) // n
-    return Shape(tuple(Engine(r, format_cpu_list(set(cores[i * per:(i + 1) * per])), per,
-                              shared=shared) for i, r in enumerate(roles)), reason)
+    return Shape(tuple(Engine(r, format_cpu_list(set(cores[i * per:(i + 1) * per])), per)
+                 for i, r in enumerate(roles)), reason)
 

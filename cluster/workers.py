@@ -14,9 +14,9 @@ from cluster.process import ManagedProcess
 from cluster.shape import Engine
 
 ROLES = ("prefill", "decode", "both")
-SHARED_ENGINE_SPIN_S = "0.01"
-"""How long the vLLM processes of an engine on shared cores busy-wait for the next message
-(`worker/vllm_plugin.py`; vLLM's 1 s kept them spinning between steps; 0 hung the engine)."""
+CPU_ENGINE_SPIN_S = "0.01"
+"""How long the vLLM processes of a CPU engine busy-wait for the next message
+(`worker/vllm_plugin.py`, `Engine.busy_wait`; 0 hung the engine)."""
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,8 @@ class WorkerSpec:
             env["OMP_NUM_THREADS"] = str(placement.threads)
             if placement.gpu:
                 env["CUDA_VISIBLE_DEVICES"] = placement.gpu
-            if placement.shared:
-                env["KVCLUSTER_ENGINE_SPIN_S"] = SHARED_ENGINE_SPIN_S
+        if placement is None or not placement.busy_wait:  # unplaced: floats over every core
+            env["KVCLUSTER_ENGINE_SPIN_S"] = CPU_ENGINE_SPIN_S
         env.update(dict(self.env))
         proc = ManagedProcess(instance_id, argv, Path(self.run_dir) / f"{instance_id}.log",
                               env=env)

@@ -5,11 +5,13 @@ it changes nothing unless the process belongs to one of our workers that was ask
 core waiting for its worker process, the worker process waiting for the next step) busy-loop
 after a message before they sleep on a socket (vLLM: 1 s). Each step of an engine refreshes
 it, and an engine waiting for a pool load or a background save steps every millisecond, so
-its two processes spin for as long as it serves. On its own cores that costs nothing; on
-cores shared with another engine or the serving processes it takes most of their time
-(measured: two engines on two cores, each worker process at 90% of a core, the conductor's
-health checks and etcd timing out). The launcher sets it to 0.01 s for engines that share
-cores (0 hung the engine at start).
+its two processes spin for as long as it serves. On cores of their own that costs nothing;
+but on CPU only the engine's OpenMP threads are bound, and the engine-core process spins on
+whatever core it lands on, the serving processes' too (measured: two engines on two cores,
+each worker process at 90% of a core, the conductor's health checks and etcd timing out; one
+engine bound to its own core, first tokens held up to 930 ms on their way to the conductor).
+The launcher sets it to 0.01 s for every CPU engine (`cluster.shape.Engine.busy_wait`; 0 hung
+the engine at start).
 """
 
 from __future__ import annotations

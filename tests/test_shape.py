@@ -1,0 +1,37 @@
+"""The embedded cluster's shape for a machine (`cluster.shape.choose`)."""
+
+import pytest
+
+from cluster.shape import choose
+
+
+def test_two_cores_keep_one_for_serving_and_bind_one_engine_to_the_other():
+    s = choose([0, 1])
+    assert [(e.role, e.cpu_bind, e.threads) for e in s.engines] == [("both", "1", 1)]
+    assert "1 for the serving processes" in s.reason
+    assert not s.engines[0].busy_wait  # its engine core floats over the serving core
+
+
+def test_many_cores_give_each_engine_its_own_cores():
+    s = choose(list(range(17)))
+    assert [(e.cpu_bind, e.threads) for e in s.engines] == [("1-8", 8), ("9-16", 8)]
+
+
+def test_gpus_get_one_engine_each_that_may_busy_wait():
+    s = choose(list(range(8)), gpus=2)
+    assert [(e.role, e.gpu, e.busy_wait) for e in s.engines] == [("both", "0", True),
+                                                                 ("both", "1", True)]
+
+
+def test_an_explicit_shape_overrides_and_shares_out_the_cores():
+    s = choose([0, 1], prefill=1, decode=1)
+    assert [(e.role, e.cpu_bind) for e in s.engines] == [("prefill", "0"), ("decode", "1")]
+    crowded = choose([0, 1], prefill=2, decode=2)
+    assert {e.cpu_bind for e in crowded.engines} == {"nobind"}
+    assert "share them" in crowded.reason
+
+
+@pytest.mark.parametrize("counts", [dict(prefill=1), dict(decode=2), dict(both=0)])
+def test_a_shape_that_cannot_serve_is_refused(counts):
+    with pytest.raises(ValueError):
+        choose([0, 1], **counts)
