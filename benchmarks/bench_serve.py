@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -359,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model = str(ensure_model())
     out = Path(a.out)
-    (out / "runs").mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out / "runs", ignore_errors=True)  # this run's files only, as results.json
+    (out / "runs").mkdir(parents=True)
     arms = a.arms.split(",")
     datasets = a.datasets.split(",")
     print(f"machine: {describe()}", flush=True)

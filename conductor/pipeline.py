@@ -187,9 +187,11 @@ class Pipeline:
         prep, outcome = rec.current, rec.outcome
         prefill: asyncio.Task | None = None
         if dispatch.route.disaggregated:
-            prefill = asyncio.create_task(self._prefill(dispatch, prep, outcome, ready=True))
+            # a decode engine already caching the prompt's blocks is not held for the prefill
+            hold = not dispatch.decode_has_prompt
+            prefill = asyncio.create_task(self._prefill(dispatch, prep, outcome, ready=hold))
             wait = worker_pb2.PoolWait(blocks=len(prep.token_ids) // prep.block_size,
-                                       wait_s=self._wait_s(dispatch), hold=True)
+                                       wait_s=self._wait_s(dispatch), hold=hold)
         else:
             wait = worker_pb2.PoolWait(blocks=dispatch.pool_blocks)
         try:

@@ -55,6 +55,7 @@ class Counts:
     retired: int = 0
     pool_ready: int = 0
     last_params: worker_pb2.SamplingParams | None = None
+    last_pool_wait: worker_pb2.PoolWait | None = None
     request_ids: list[str] = field(default_factory=list)
 
 
@@ -83,6 +84,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.knobs = knobs
         self.counts = Counts()
         self.pool = pool or FakePool()
+        self._ready: dict[str, asyncio.Event] = {}
 
     async def Prefill(self, request, context):
         received = time.time()
@@ -109,14 +111,17 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.counts.generates += 1
         self.counts.running += 1
         self.counts.last_params = p
+        self.counts.last_pool_wait = request.pool_wait
         self.counts.request_ids.append(request.request_id)
         sent = 0
         received = time.time()
         try:
-            if request.pool_wait.wait_s > 0:
+            if request.pool_wait.wait_s > 0:  # held until PoolReady, else the blocks
+                ready = self.ready(request.request_id) if request.pool_wait.hold else \
+                    self.pool.event(request.request_id)
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(request.pool_wait.wait_s):
-                        await self.pool.event(request.request_id).wait()
+                        await ready.wait()
             times = _times(received, time.time()) if self.knobs.engine_times else None
             texts = ["" for _ in range(p.n or 1)]
             for step in range(p.max_tokens):
@@ -170,8 +175,12 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             chunk.finish_reason = "length"
         return chunk
 
+    def ready(self, request_id: str) -> asyncio.Event:
+        return self._ready.setdefault(request_id, asyncio.Event())
+
     async def PoolReady(self, request, context):
         self.counts.pool_ready += 1
+        self.ready(request.request_id).set()
         return worker_pb2.PoolReadyReply(found=True)
 
     async def Abort(self, request, context):

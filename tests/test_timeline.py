@@ -88,3 +88,23 @@ def test_without_a_tracer_no_span_and_the_histogram_still_counts(model_dir):
     for stage in ("parse", "route", "prefill", "prefill_compute", "decode_start",
                   "decode_compute", "kv_wait", "ttft", "decode"):
         assert float(counts[stage]) == 2.0, (stage, counts)
+
+
+def test_a_decode_caching_the_prompt_is_not_held_for_the_prefill_beside_it(model_dir):
+    with LocalConductor(model_dir, knobs=Knobs(engine_times=True),
+                        conductor_args=("--disaggregate", "always")) as c:
+        decode = c.worker("decode")
+        body = {"prompt": "word " * 80, "max_tokens": 2}
+        first = httpx.post(f"{c.url}/v1/completions", json=body, timeout=30)
+        assert first.status_code == 200, first.text
+        wait = decode.counts.last_pool_wait
+        assert wait is not None and wait.hold and wait.blocks > 0
+        assert decode.counts.pool_ready == 1
+        # the decode instance's cache now holds the prompt (the index's view): the same
+        # prompt again still runs its prefill beside, but the decode does not wait for it
+        again = httpx.post(f"{c.url}/v1/completions", json=body, timeout=30)
+        assert again.status_code == 200, again.text
+        assert not decode.counts.last_pool_wait.hold
+        assert decode.counts.prefills == 0 and c.worker("prefill").counts.prefills == 2
+        assert decode.counts.pool_ready == 1
+        assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]

@@ -160,10 +160,12 @@ class Router:
         p, d = self.registry.get(decision.prefill_id), self.registry.get(decision.decode_id)
         if p is None or d is None:
             raise NoCapacity("the chosen instance left the cluster")
-        pool = min(req.match.pool, max(len(token_ids) - 1, 0) // block_size)
+        loadable = max(len(token_ids) - 1, 0) // block_size
+        pool = min(req.match.pool, loadable)
         tail = list(token_ids[len(block_hashes) * block_size:])
         return Dispatch(self, decision, p, d, request_id, len(token_ids), tail, block_hashes,
-                        block_size, cache_salt, max_tokens, now, pool)
+                        block_size, cache_salt, max_tokens, now, pool,
+                        decode_has_prompt=req.match.local.get(d.instance_id, 0) >= loadable)
 
     def pin(self, request_id: str, token_ids: list[int], block_hashes: tuple[int, ...],
             max_tokens: int, block_size: int, cache_salt: str, inst: Instance) -> Dispatch:
@@ -199,6 +201,9 @@ class Dispatch:
     pool_blocks: int = 0
     """Of the prompt's loadable blocks, how many the pool holds (the index's view): the
     engine that computes the prompt loads them without asking the pool."""
+    decode_has_prompt: bool = False
+    """The decode instance's own cache holds every loadable block (the index's view): a
+    disaggregated decode need not wait for the prefill beside it."""
     _prefill_open: bool = True
     _decode_open: bool = True
     _solo: bool = False
