@@ -12,24 +12,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def fresh_port(host: str = "127.0.0.1", lo: int = 10000, hi: int = 32767) -> int:
-    """A free port drawn at random below the kernel's ephemeral range, for a name that must
-    not repeat a dead process's: the kernel's `bind(host, 0)` hands a just-freed port out
-    again, and a Mooncake client named after its port then meets the dead client's segment,
-    still mounted under that name (seen in a test restarting a worker: its loads timed out)."""
-    import random
-
-    for _ in range(100):
-        port = random.randint(lo, hi)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    return free_port(host)
-
-
 def wait_for_port(host: str, port: int, timeout: float) -> bool:
     """Poll until something accepts TCP connections on host:port; False on timeout."""
     import time

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 from urllib.parse import urlsplit
 
-from cluster.ports import fresh_port
+from cluster.ports import free_port
 
 if TYPE_CHECKING:
     from typing import Self
@@ -570,7 +570,7 @@ class MooncakePool:
                 self._put_config.preferred_segment = config.store_client_segment
             code = self._store.setup_dummy(0, config.local_buffer_bytes, config.store_client)
         else:
-            self.local_hostname = f"{config.local_host}:{fresh_port(config.local_host)}"
+            self.local_hostname = f"{config.local_host}:{free_port(config.local_host)}"
             if config.prefer_local_segment and config.segment_bytes > 0:
                 self._put_config.preferred_segment = self.local_hostname
             code = self._store.setup(  # holds the GIL: no point in a thread with a timeout

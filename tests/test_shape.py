@@ -35,4 +35,3 @@ def test_an_explicit_shape_overrides_and_shares_out_the_cores():
 def test_a_shape_that_cannot_serve_is_refused(counts):
     with pytest.raises(ValueError):
         choose([0, 1], **counts)
-
