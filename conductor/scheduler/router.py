@@ -20,6 +20,7 @@ from conductor.policy import POLICIES
 from conductor.registry import Instance, Registry
 from conductor.scheduler.decode_model import TbtFitter
 from conductor.scheduler.index import POOL, KVIndex
+from conductor.scheduler.policies.estimate import loadable_blocks
 from conductor.scheduler.prefill_model import PrefillTimeFitter
 from conductor.snapshot import ClusterSnapshot, Reject, Route, RouteRequest, SchedulerParams
 from store.block_hash import extend_hashes
@@ -160,7 +161,7 @@ class Router:
         p, d = self.registry.get(decision.prefill_id), self.registry.get(decision.decode_id)
         if p is None or d is None:
             raise NoCapacity("the chosen instance left the cluster")
-        loadable = max(len(token_ids) - 1, 0) // block_size
+        loadable = loadable_blocks(len(token_ids), block_size)
         pool = min(req.match.pool, loadable)
         tail = list(token_ids[len(block_hashes) * block_size:])
         return Dispatch(self, decision, p, d, request_id, len(token_ids), tail, block_hashes,
@@ -173,7 +174,7 @@ class Router:
         prefill beside it failed)."""
         now = time.monotonic()
         match = self.index.match(block_hashes)
-        pool = min(match.pool, max(len(token_ids) - 1, 0) // block_size)
+        pool = min(match.pool, loadable_blocks(len(token_ids), block_size))
         route = Route(prefill_id=inst.instance_id, decode_id=inst.instance_id,
                       cached_blocks=pool, uncached_tokens=len(token_ids) - pool * block_size)
         tail = list(token_ids[len(block_hashes) * block_size:])
