@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cluster.ports import free_port, wait_for_port
+from cluster.ports import free_ports, wait_for_port
 from cluster.process import ManagedProcess
 
 if TYPE_CHECKING:
@@ -80,9 +80,10 @@ class StoreMaster:
         self._fixed_ports = (
             rpc_port is not None or http_port is not None or metrics_port is not None
         )
-        self.rpc_port = rpc_port or free_port(host)
-        self.http_port = http_port or free_port(host)
-        self.metrics_port = metrics_port or free_port(host)
+        ports = free_ports(3, host)
+        self.rpc_port = rpc_port or ports[0]
+        self.http_port = http_port or ports[1]
+        self.metrics_port = metrics_port or ports[2]
         self.eviction_high_watermark_ratio = eviction_high_watermark_ratio
         self.eviction_ratio = eviction_ratio
         self.kv_lease_ttl_ms = kv_lease_ttl_ms
@@ -148,11 +149,7 @@ class StoreMaster:
         except RuntimeError:
             if self._fixed_ports:
                 raise
-            self.rpc_port, self.http_port, self.metrics_port = (
-                free_port(self.host),
-                free_port(self.host),
-                free_port(self.host),
-            )
+            self.rpc_port, self.http_port, self.metrics_port = free_ports(3, self.host)
             self._start_once()
         return self
 
@@ -287,8 +284,8 @@ class StoreClientService:
         self.master = master
         self.segment = segment
         self.host = host
-        self.port = port or free_port(host)
-        self.te_port = free_port(host)
+        self.port, self.te_port = free_ports(2, host)
+        self.port = port or self.port
         self.threads = threads
         self.extra_args = list(extra_args)
         binary = Path(find_master_binary()).parent / "mooncake_client"
