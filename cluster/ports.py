@@ -8,9 +8,7 @@ import socket
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free on `host` a moment ago (the caller binds it soon after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
