@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.machine import describe
+from benchmarks.machine import StallWatch, describe
 from cluster.ports import free_port
 from cluster.process import ManagedProcess
 
@@ -75,6 +75,8 @@ class Result:
     """What vLLM's client saw of the failed requests."""
     engine: dict[str, float] = field(default_factory=dict)
     """The plain server's mean queue / prefill / decode seconds per request (vLLM's metrics)."""
+    host_stalls: list[float] = field(default_factory=list)
+    """Seconds the whole machine stood still during the run (`StallWatch`), per stall."""
 
 
 # ----------------------------------------------------------------------------- the arms
@@ -221,8 +223,8 @@ def spread(rs: list[Result], key: str) -> str:
 
 def table(results: list[Result]) -> str:
     rows = ["| dataset | arm | ok/n | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p99 ms "
-            "| TTFT x plain | TPOT x plain |", "| --- | --- | ---: | ---: | ---: | ---: | ---: "
-            "| ---: | ---: |"]
+            "| TTFT x plain | TPOT x plain | host stalls s (per run) |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     c = cells(results)
     for (arm, ds), rs in sorted(c.items(), key=lambda kv: (kv[0][1], ARMS.index(kv[0][0]))):
         ok = sum(r.bench["completed"] for r in rs)
@@ -231,8 +233,9 @@ def table(results: list[Result]) -> str:
         ratio = (f"{median_of(rs, 'median_ttft_ms') / median_of(plain, 'median_ttft_ms'):.2f} | "
                  f"{median_of(rs, 'median_tpot_ms') / median_of(plain, 'median_tpot_ms'):.2f} |"
                  if plain else " | |")
+        stalls = ", ".join(f"{sum(r.host_stalls):.1f}" for r in rs)
         rows.append(f"| {ds} | {arm} | {ok}/{n} | " + " | ".join(spread(rs, k) for k in KEYS)
-                    + " | " + ratio)
+                    + " | " + ratio + f" {stalls} |")
     return "\n".join(rows)
 
 
@@ -325,11 +328,13 @@ def run_arm(arm: str, rep: int, a: argparse.Namespace, model: str, datasets: lis
             before = scrape(r.engine_metrics) if r.engine_metrics else {}
             offset = r.conductor_log.stat().st_size if r.conductor_log else 0
             t1 = time.monotonic()
-            bench = run_bench(r, model, ds, a.rate, a.num_prompts,
-                              a.seed + 100 * rep + n, out / "runs")
+            with StallWatch() as watch:
+                bench = run_bench(r, model, ds, a.rate, a.num_prompts,
+                                  a.seed + 100 * rep + n, out / "runs")
             res = Result(arm, ds, rep, {k: v for k, v in bench.items()
                                         if not isinstance(v, list)},
-                         errors=[e for e in bench.get("errors", []) if e][:10])
+                         errors=[e for e in bench.get("errors", []) if e][:10],
+                         host_stalls=watch.stalls)
             if r.conductor_log is not None:
                 res.stages = timeline_stages(r.conductor_log, offset)
             if r.engine_metrics:
@@ -337,7 +342,8 @@ def run_arm(arm: str, rep: int, a: argparse.Namespace, model: str, datasets: lis
             results.append(res)
             print(f"[{arm} #{rep}/{ds}] {time.monotonic() - t1:.0f}s: ok {bench['completed']}, "
                   f"failed {bench.get('failed', 0)}, TTFT p50 {bench['median_ttft_ms']:.1f} "
-                  f"ms, TPOT p50 {bench['median_tpot_ms']:.2f} ms", flush=True)
+                  f"ms, TPOT p50 {bench['median_tpot_ms']:.2f} ms, host stalls "
+                  f"{sum(watch.stalls):.1f} s ({len(watch.stalls)})", flush=True)
     finally:
         r.stop()
     return results

@@ -21,3 +21,41 @@ def describe() -> str:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return (f"{os.cpu_count()} cores ({cpu_model()}), {mem:.0f} GiB, "
             f"Python {platform.python_version()}")
+
+
+class StallWatch:
+    """Host stalls during a measurement: a thread that wakes every `tick_s` and records each
+    wake-up that came more than `min_gap_s` late. On a shared virtual machine the whole guest
+    is sometimes paused for seconds (seen here: 2-5 s, every process frozen, `vmstat 1`
+    silent meanwhile); every request in flight then gains that time, whichever system it
+    runs on. A benchmark reports them beside its figures."""
+
+    def __init__(self, tick_s: float = 0.01, min_gap_s: float = 0.25) -> None:
+        import threading
+
+        self.tick_s, self.min_gap_s = tick_s, min_gap_s
+        self.stalls: list[float] = []
+        """Seconds lost per stall, in order."""
+        self._stop = threading.Event()
+        self._watching = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stall-watch", daemon=True)
+
+    def __enter__(self) -> StallWatch:
+        self._thread.start()
+        self._watching.wait()  # from here on a stall is seen
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        import time
+
+        last = time.monotonic()
+        self._watching.set()
+        while not self._stop.wait(self.tick_s):
+            now = time.monotonic()
+            if now - last - self.tick_s > self.min_gap_s:
+                self.stalls.append(round(now - last - self.tick_s, 3))
+            last = now

@@ -47,6 +47,8 @@ class KvTransfer(BaseModel):
     blocks_saved: int
     blocks_in_pool: int
     blocks_loaded: int
+    first_token_from: Literal["prefill", "decode"]
+    """Which engine sampled the first token the client got (`conductor/first_token.py`)."""
 
 
 class CompletionLogprobs(BaseModel):

@@ -5,7 +5,8 @@ decode engine loads the prompt's blocks as the prefill writes them into the pool
 them off its scheduler thread, bounded; what does not arrive is recomputed). A route with one
 instance skips the Prefill RPC: that instance computes what the pool cannot give it. Either
 way the worker is told what the pool holds (`PoolWait`), so no engine asks the pool on its
-scheduler thread. Failures go to `conductor.resilience`.
+scheduler thread. On a held disaggregated route the prefill's first token is streamed as
+soon as the prefill replies (`conductor.first_token`). Failures go to `conductor.resilience`.
 
 The pipeline yields typed `Delta`s; the HTTP layer turns them into OpenAI JSON or SSE.
 Cancelling the iterator (a client that went away) cancels the worker RPCs in flight, and the
@@ -26,6 +27,13 @@ import structlog
 from conductor.config import ConductorConfig
 from conductor.deltas import Delta, from_chunk
 from conductor.errors import ConductorError, InvalidRequest, NoCapacity, Timeout, UpstreamFailed
+from conductor.first_token import (
+    FirstTokenMismatch,
+    early_chunk,
+    prefill_params,
+    strip_first,
+    usable,
+)
 from conductor.registry import Instance, Registry
 from conductor.resilience import (
     UNREACHABLE,
@@ -89,6 +97,9 @@ class Outcome:
     """Fall-backs taken (prefill_on_decode)."""
     migrations: int = 0
     """Times the stream moved to another decode instance."""
+    first_token_from: str = "decode"
+    """Which engine's first token the client got: "prefill" (`conductor.first_token`) or
+    "decode"."""
     timeline: Timeline = field(default_factory=Timeline)
     """Where the request's time went (`conductor.timeline`)."""
 
@@ -186,10 +197,15 @@ class Pipeline:
         assert rec.current is not None
         prep, outcome = rec.current, rec.outcome
         prefill: asyncio.Task | None = None
+        first_token: asyncio.Future | None = None
         if dispatch.route.disaggregated:
             # a decode engine already caching the prompt's blocks is not held for the prefill
             hold = not dispatch.decode_has_prompt
-            prefill = asyncio.create_task(self._prefill(dispatch, prep, outcome, ready=hold))
+            params = prefill_params(prep.params) if hold else None  # `conductor.first_token`
+            if params is not None:
+                first_token = asyncio.get_running_loop().create_future()
+            prefill = asyncio.create_task(self._prefill(dispatch, prep, outcome, ready=hold,
+                                                        params=params, first=first_token))
             wait = worker_pb2.PoolWait(blocks=len(prep.token_ids) // prep.block_size,
                                        wait_s=self._wait_s(dispatch), hold=hold)
         else:
@@ -198,7 +214,8 @@ class Pipeline:
             first = True
             async for delta in self._decode(dispatch.decode, prep, outcome, deadline, wait,
                                             prefill, first_call=not rec.sent
-                                            and not outcome.migrations):
+                                            and not outcome.migrations,
+                                            first=first_token):
                 if first:
                     dispatch.first_token()
                     first = False
@@ -235,14 +252,16 @@ class Pipeline:
 
     # ------------------------------------------------------------------ the calls
 
-    async def _prefill_rpc(self, inst: Instance, prep: Prepared, pool_blocks: int = 0
+    async def _prefill_rpc(self, inst: Instance, prep: Prepared, pool_blocks: int = 0,
+                           params: worker_pb2.SamplingParams | None = None
                            ) -> worker_pb2.PrefillReply:
         iid = inst.info.instance_id
         try:
             reply = await inst.stub.Prefill(
                 worker_pb2.PrefillRequest(request_id=prep.request_id, token_ids=prep.token_ids,
                                           cache_salt=prep.cache_salt,
-                                          pool_wait=worker_pb2.PoolWait(blocks=pool_blocks)),
+                                          pool_wait=worker_pb2.PoolWait(blocks=pool_blocks),
+                                          params=params),
                 timeout=self.config.prefill_timeout_s,
             )
         except grpc.aio.AioRpcError as e:
@@ -257,17 +276,23 @@ class Pipeline:
         return reply
 
     async def _prefill(self, dispatch: Dispatch, prep: Prepared, outcome: Outcome,
-                       ready: bool = False) -> None:
+                       ready: bool = False, params: worker_pb2.SamplingParams | None = None,
+                       first: asyncio.Future | None = None) -> None:
         """The Prefill RPC of a disaggregated route; a failure counts against its instance.
-        `ready`: then tell the decode instance, which holds the request until then."""
+        `ready`: then tell the decode instance, which holds the request until then.
+        `params`: the prefill samples the first token with them, and `first` gets its chunk
+        (None if the reply has none) as soon as the reply is in."""
         tl = outcome.timeline
         tl.mark("prefill_sent")
         try:
-            reply = await self._prefill_rpc(dispatch.prefill, prep, dispatch.pool_blocks)
+            reply = await self._prefill_rpc(dispatch.prefill, prep, dispatch.pool_blocks,
+                                            params)
         except WorkerFailure as f:
             self._count_failure(f, dispatch)
             raise
         tl.mark("prefill_done")
+        if first is not None and not first.done():
+            first.set_result(reply.first if reply.HasField("first") else None)
         tl.engine("prefill", reply.times)
         dispatch.prefill_done(reply.num_prompt_tokens, reply.num_cached_tokens,
                               reply.blocks_in_pool, reply.engine_seconds)
@@ -291,10 +316,13 @@ class Pipeline:
 
     async def _decode(self, inst: Instance, prep: Prepared, outcome: Outcome, deadline: float,
                       wait: worker_pb2.PoolWait, prefill: asyncio.Task | None,
-                      first_call: bool = True) -> AsyncIterator[Delta]:
+                      first_call: bool = True, first: asyncio.Future | None = None
+                      ) -> AsyncIterator[Delta]:
         """The decode stream as deltas; WorkerFailure when the instance fails it, and
         PrefillFailure when `prefill` (running beside it) fails before its first chunk.
-        `first_call`: the request's first decode (a continuation keeps the usage figures)."""
+        `first_call`: the request's first decode (a continuation keeps the usage figures).
+        `first`: the prefill's first token, streamed if it comes before the decode's own
+        (`conductor.first_token`)."""
         iid = inst.info.instance_id
         tl = outcome.timeline
         tl.mark("decode_sent")
@@ -310,19 +338,32 @@ class Pipeline:
             raise left(iid, "decode") from None
         unfinished = set(range(prep.params.n or 1))
         held: list[worker_pb2.TokenLogprobs] = []  # prompt logprobs of steps without output
+        read = asyncio.ensure_future(call.read())
         try:
-            chunk = await self._first_chunk(call, prefill, iid)
+            chunk, early = await self._first_chunk(read, prefill, iid, first)
+            if early:  # the prefill's token, streamed now and dropped from the decode's
+                sent = chunk
+                outcome.completion_tokens += 1
+                outcome.first_token_from = "prefill"
+                yield from_chunk(sent, [])
+                chunk, _ = await self._first_chunk(read, None, iid)
+                try:
+                    chunk = strip_first(chunk, sent)
+                except FirstTokenMismatch as e:
+                    log.error("first_token_mismatch", request_id=prep.request_id, error=str(e))
+                    raise WorkerFailure(iid, grpc.StatusCode.INTERNAL,
+                                        UpstreamFailed(str(e))) from None
             tl.mark("first_chunk")
-            first = True
+            opening = True
             while chunk is not grpc.aio.EOF:
                 timed = chunk.HasField("times")
                 if timed:
                     tl.engine("decode", chunk.times)
                 # the first chunk says what the engine did not compute, the worker's last one
                 # (with its times) corrects it for blocks whose load failed
-                if first_call and (first or (timed and chunk.finish_reason)):
+                if first_call and (opening or (timed and chunk.finish_reason)):
                     outcome.cached_tokens = chunk.num_cached_tokens
-                first = False
+                opening = False
                 outcome.completion_tokens += len(chunk.token_ids)
                 if chunk.finish_reason:
                     unfinished.discard(chunk.index)
@@ -343,20 +384,34 @@ class Pipeline:
                 raise
             raise left(iid, "decode") from None
         finally:
+            if not read.done():
+                read.cancel()
             call.cancel()
 
-    async def _first_chunk(self, call: grpc.aio.UnaryStreamCall, prefill: asyncio.Task | None,
-                           iid: str) -> worker_pb2.GenerateChunk:
-        """The stream's first chunk, within `first_token_timeout_s`; PrefillFailure as soon as
-        the prefill beside it fails first (the decode would wait for its blocks in vain)."""
-        read = asyncio.ensure_future(call.read())
+    async def _first_chunk(self, read: asyncio.Future, prefill: asyncio.Task | None,
+                           iid: str, first: asyncio.Future | None = None
+                           ) -> tuple[worker_pb2.GenerateChunk, bool]:
+        """The decode's first chunk (`read`: the stream's pending read) within
+        `first_token_timeout_s`, or, if `first` brings the prefill's first token before it,
+        that token as the chunk to stream now (then True, and `read` is left pending);
+        PrefillFailure as soon as the prefill beside it fails first (the decode would wait for
+        its blocks in vain)."""
         try:
             async with asyncio.timeout(self.config.first_token_timeout_s):
                 while True:
-                    waits = {read} if prefill is None or prefill.done() else {read, prefill}
+                    waits = {read}
+                    if prefill is not None and not prefill.done():
+                        waits.add(prefill)
+                    if first is not None and not first.done():
+                        waits.add(first)
                     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                     if read.done():
-                        return read.result()
+                        return read.result(), False
+                    if first is not None and first.done():
+                        got, first = first.result(), None
+                        if got is not None and usable(got):
+                            return early_chunk(got), True
+                        continue
                     assert prefill is not None
                     failure = prefill.exception()
                     if isinstance(failure, WorkerFailure):
@@ -367,9 +422,6 @@ class Pipeline:
             raise WorkerFailure(iid, grpc.StatusCode.DEADLINE_EXCEEDED, Timeout(
                 "no first token from the decode instance in time",
                 code="first_token_timeout")) from None
-        finally:
-            if not read.done():
-                read.cancel()
 
     async def prewarm(self, prep: Prepared, instances: list[str]) -> Outcome:
         """Prefill `prep` where the policy would (its blocks go to the pool), then on each of

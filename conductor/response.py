@@ -135,7 +135,8 @@ async def collect(spec: ResponseSpec, outcome: Outcome, first: Delta | None,
                            "decode_instance": outcome.decode_instance,
                            "blocks_saved": outcome.blocks_saved,
                            "blocks_in_pool": outcome.blocks_in_pool,
-                           "blocks_loaded": outcome.blocks_loaded}
+                           "blocks_loaded": outcome.blocks_loaded,
+                           "first_token_from": outcome.first_token_from}
     return body
 
 

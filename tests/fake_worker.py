@@ -44,6 +44,11 @@ class Knobs:
     """`Stats` answers after this long (a hung worker)."""
     engine_times: bool = False
     """Report `EngineTimes` as a real worker does (queued, scheduled, first token, held)."""
+    decode_gate: threading.Event | None = None
+    """When set, a decode produces no token until the gate opens (after its hold)."""
+    first_token_shift: int = 0
+    """Added to the token id the prefill returns as the first token (a mismatch with the
+    decode's, which real engines must never produce)."""
 
 
 @dataclass
@@ -56,6 +61,8 @@ class Counts:
     pool_ready: int = 0
     last_params: worker_pb2.SamplingParams | None = None
     last_pool_wait: worker_pb2.PoolWait | None = None
+    prefill_params: worker_pb2.SamplingParams | None = None
+    """The sampling parameters of the latest Prefill that asked for the first token."""
     request_ids: list[str] = field(default_factory=list)
 
 
@@ -102,6 +109,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             await context.abort(self.knobs.prefill_status, "injected prefill failure")
         self.pool.event(request.request_id).set()
         reply = worker_pb2.PrefillReply(num_prompt_tokens=len(request.token_ids))
+        if request.HasField("params"):  # the first token, as the decode will sample it
+            self.counts.prefill_params = request.params
+            reply.first.CopyFrom(self._chunk(request.params, request, 0, 0, [""], first=True))
+            reply.first.token_ids[0] += self.knobs.first_token_shift
         if self.knobs.engine_times:
             reply.times.CopyFrom(_times(received, received))
         return reply
@@ -122,6 +133,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(request.pool_wait.wait_s):
                         await ready.wait()
+            gate = self.knobs.decode_gate
+            while gate is not None and not gate.is_set():  # the test's thread opens it
+                await asyncio.sleep(0.005)
             times = _times(received, time.time()) if self.knobs.engine_times else None
             texts = ["" for _ in range(p.n or 1)]
             for step in range(p.max_tokens):

@@ -62,8 +62,25 @@ def test_request_through_the_cluster_equals_a_single_engine(cluster, prompt_ids,
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == loadable * BLOCK_SIZE
     assert body["usage"]["prompt_tokens"] == len(prompt)
     assert body["usage"]["completion_tokens"] == MAX_TOKENS
+    # the first token came from the prefill engine, the rest from the decode engine
+    assert kv["first_token_from"] == "prefill"
     assert_same_output(choice["token_ids"], choice["logprobs"]["token_logprobs"],
                        reference["e2e"])
+
+
+def test_random_sampling_through_the_cluster_streams_the_prefills_token_consistently(
+        cluster, prompt_ids):
+    """Unseeded sampling: the conductor seeds the request for both engines, so the decode
+    draws the token the prefill drew and streamed (a different draw would break the stream:
+    with one decode instance, an error instead of this answer)."""
+    fresh = list(reversed(prompt_ids["e2e"]))  # no engine caches it: the decode is held
+    r = httpx.post(f"{cluster.url}/v1/completions", timeout=120, json={
+        "prompt": fresh, "max_tokens": MAX_TOKENS, "temperature": 1.0,
+        "ignore_eos": True, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["kv_transfer"]["first_token_from"] == "prefill"
+    assert len(body["choices"][0]["token_ids"]) == MAX_TOKENS
 
 
 def _worker_stub(cluster, role: str) -> worker_pb2_grpc.WorkerStub:

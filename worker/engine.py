@@ -129,14 +129,20 @@ class Engine:
         return params
 
     async def prefill(self, request_id: str, token_ids: list[int], cache_salt: str,
-                      pool_wait: tuple[int, float] | None = None) -> PrefillResult:
-        """Compute the prompt (one output token, discarded) so its blocks reach the pool; the
-        saves finish in the background."""
+                      pool_wait: tuple[int, float] | None = None,
+                      params: Any = None) -> PrefillResult:
+        """Compute the prompt so its blocks reach the pool (the saves finish in the
+        background) and sample one token: with `params` (vLLM's, the request's) as the request
+        would, else greedy and discarded."""
         from vllm import SamplingParams
 
         t0 = time.perf_counter()
-        params = self.with_pool_wait(
-            SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), pool_wait)
+        if params is None:
+            params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        else:
+            params.n, params.max_tokens = 1, 1
+            params.min_tokens = min(params.min_tokens, 1)
+        params = self.with_pool_wait(params, pool_wait)
         final = None
         async for out in self.llm.generate(self._prompt(token_ids, cache_salt), params,
                                            request_id):

@@ -158,8 +158,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         log.info("prefill_start", request_id=rid, prompt_tokens=len(request.token_ids))
         self.prefills += 1
         try:
+            params = sampling_params(request.params) if request.HasField("params") else None
             res = await self.engine.prefill(rid, list(request.token_ids), request.cache_salt,
-                                            _pool_wait(request))
+                                            _pool_wait(request), params)
         except _client_errors() as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except asyncio.CancelledError:
@@ -172,7 +173,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         log.info("prefill_done", request_id=rid, cached_tokens=res.num_cached_tokens,
                  blocks_saved=res.blocks_saved, blocks_in_pool=res.blocks_in_pool,
                  seconds=round(res.engine_seconds, 4))
-        return worker_pb2.PrefillReply(
+        reply = worker_pb2.PrefillReply(
             num_prompt_tokens=res.num_prompt_tokens,
             num_cached_tokens=res.num_cached_tokens,
             blocks_saved=res.blocks_saved,
@@ -180,6 +181,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             engine_seconds=res.engine_seconds,
             times=engine_times(res.output, received),
         )
+        if params is not None:  # the token the decode beside it will sample first
+            reply.first.CopyFrom(_chunks(res.output, True)[0])
+        return reply
 
     async def Generate(
         self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext

@@ -1,0 +1,93 @@
+"""The first token from the prefill (`conductor.first_token`): streamed before the decode
+beside it produces anything, never twice, and a decode that disagrees breaks the stream
+instead of silently diverging. Fakes (no engines); tests/test_e2e.py checks on real engines
+that the answers stay bit-identical to one engine's."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+
+from conductor.first_token import FirstTokenMismatch, prefill_params, strip_first
+from protos import worker_pb2
+from tests.fake_worker import Knobs, LocalConductor
+
+
+def _params(**kw) -> worker_pb2.SamplingParams:
+    return worker_pb2.SamplingParams(max_tokens=8, **kw)
+
+
+def test_only_single_choice_requests_without_stop_strings_or_prompt_logprobs():
+    assert prefill_params(_params(temperature=0.0)) is not None
+    assert prefill_params(_params(n=2)) is None
+    assert prefill_params(_params(prompt_logprobs=1)) is None
+    assert prefill_params(_params(stop=["x"])) is None
+
+
+def test_random_sampling_gets_a_seed_both_engines_share():
+    p = _params(temperature=0.8)
+    sent = prefill_params(p)
+    assert p.HasField("seed") and sent.seed == p.seed  # the decode's params carry it too
+    q = _params(temperature=0.8, seed=7)
+    assert prefill_params(q).seed == 7 == q.seed
+    greedy = _params(temperature=0.0)
+    prefill_params(greedy)
+    assert not greedy.HasField("seed")
+
+
+def _chunk(tokens, text, **kw) -> worker_pb2.GenerateChunk:
+    return worker_pb2.GenerateChunk(token_ids=tokens, text=text, **kw)
+
+
+def test_the_decodes_first_token_is_dropped_and_the_rest_kept():
+    sent = _chunk([5], "a")
+    got = strip_first(_chunk([5, 6], "ab", num_prompt_tokens=9, logprobs=[-1.0, -2.0],
+                             finish_reason="length"), sent)
+    assert list(got.token_ids) == [6] and got.text == "b" and list(got.logprobs) == [-2.0]
+    assert got.num_prompt_tokens == 9 and got.finish_reason == "length"
+    with pytest.raises(FirstTokenMismatch):
+        strip_first(_chunk([4], "a"), sent)
+    with pytest.raises(FirstTokenMismatch):
+        strip_first(_chunk([5], "z"), sent)
+
+
+def _stream(url: str, body: dict):
+    """(event, payload) pairs of an SSE completion, as they arrive."""
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
+                      timeout=30) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
+def test_the_prefills_token_streams_while_the_decode_is_still_held(model_dir):
+    gate = threading.Event()
+    with LocalConductor(model_dir, knobs=Knobs(decode_gate=gate),
+                        conductor_args=("--disaggregate", "always")) as c:
+        events = _stream(c.url, {"prompt": "word " * 80, "max_tokens": 4, "temperature": 0})
+        first = next(events)
+        # the decode has produced nothing yet: this token is the prefill's
+        assert first["choices"][0]["text"] == "w0 "
+        assert c.worker("prefill").counts.prefill_params is not None
+        gate.set()
+        rest = list(events)
+    texts = [e["choices"][0]["text"] for e in [first, *rest] if e["choices"]]
+    assert "".join(texts) == "w0 w1 w2 w3 "  # each token once
+    usage = [e["usage"] for e in rest if e.get("usage")]
+    assert not usage or usage[-1]["completion_tokens"] == 4
+
+
+def test_a_decode_disagreeing_with_the_streamed_token_is_a_broken_stream(model_dir):
+    """With no other decode instance to continue on, the client gets an error event after
+    the token it has, not a stream that silently diverges, and not a hang."""
+    with LocalConductor(model_dir, knobs=Knobs(first_token_shift=1),
+                        conductor_args=("--disaggregate", "always")) as c:
+        events = list(_stream(c.url, {"prompt": "word " * 80, "max_tokens": 4,
+                                      "temperature": 0}))
+    tokens = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+    assert tokens == "w0 "  # the prefill's token, then nothing of the decode's
+    assert any("error" in e for e in events), events

@@ -1,0 +1,37 @@
+"""`benchmarks.machine.StallWatch`: a process frozen from outside (as a paused virtual machine
+freezes every process) is seen as one stall of about that length."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+CHILD = """
+import json, sys
+from benchmarks.machine import StallWatch
+with StallWatch() as w:
+    print("ready", flush=True)
+    sys.stdin.readline()
+print(json.dumps(w.stalls), flush=True)
+"""
+
+
+def test_a_frozen_process_reports_one_stall_of_the_frozen_time():
+    p = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        os.kill(p.pid, signal.SIGSTOP)
+        time.sleep(0.6)  # the stall under test, not a wait for something to happen
+        os.kill(p.pid, signal.SIGCONT)
+        out, _ = p.communicate("go\n", timeout=10)
+    finally:
+        p.kill()
+    stalls = json.loads(out.strip().splitlines()[-1])
+    # (a busy machine may add a short stall of its own: the frozen one must be among them)
+    assert any(0.45 <= s <= 1.5 for s in stalls), stalls
