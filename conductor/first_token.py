@@ -5,12 +5,13 @@ prompt's blocks and sample the same token (Mooncake's prefill instance produces 
 token too). The time to first token is then the prefill's, not prefill + transfer + decode
 step.
 
-The decode engine still samples that token itself (its stream is the request unchanged), and
-the conductor drops it from the decode's first chunk after checking it is the one streamed:
-the two engines compute bit-identical logits for the prompt (what tests/test_e2e.py checks),
-so greedy and seeded sampling give both the same token; a request without a seed gets one
-here, drawn at random (the distribution of its answer does not change). A mismatch is a
-broken stream (`FirstTokenMismatch`): what the client has is continued elsewhere.
+The decode engine still produces that token (its stream is the request unchanged), made the
+prefill's: `PoolReady` carries it and the decode engine's `worker.forced_token` logits
+processor leaves only it possible, so sampling at random gives both engines the same token
+without sharing a seed (the logprobs are the model's raw ones, bit-identical on both engines:
+tests/test_e2e.py). The conductor drops it from the decode's first chunk after checking it
+is the one streamed; a mismatch (a decode released without `PoolReady`, after its hold timed
+out) is a broken stream (`FirstTokenMismatch`): what the client has is continued elsewhere.
 
 Not for: several choices (`n` > 1), prompt logprobs (one set is sent, by the decode), stop
 strings (the decode holds back text that might start one, a finished prefill does not), or a
@@ -18,8 +19,6 @@ decode whose own cache holds the prompt (it is not held for the prefill: no time
 """
 
 from __future__ import annotations
-
-import random
 
 from protos import worker_pb2
 
@@ -29,13 +28,9 @@ class FirstTokenMismatch(Exception):
 
 
 def prefill_params(params: worker_pb2.SamplingParams) -> worker_pb2.SamplingParams | None:
-    """The parameters the prefill samples the first token with, or None where it must not.
-    Gives `params` a random seed when it samples at random without one (the decode then draws
-    what the prefill drew)."""
+    """The parameters the prefill samples the first token with, or None where it must not."""
     if (params.n or 1) != 1 or params.HasField("prompt_logprobs") or len(params.stop):
         return None
-    if params.temperature > 0 and not params.HasField("seed"):
-        params.seed = random.getrandbits(63)
     out = worker_pb2.SamplingParams()
     out.CopyFrom(params)
     return out

@@ -302,13 +302,17 @@ class Pipeline:
                  blocks_saved=reply.blocks_saved, cached_tokens=reply.num_cached_tokens,
                  seconds=round(reply.engine_seconds, 4))
         if ready:
-            await self._pool_ready(dispatch.decode, prep.request_id)
+            token = reply.first.token_ids[0] if params and usable(reply.first) else None
+            await self._pool_ready(dispatch.decode, prep.request_id, token)
 
-    async def _pool_ready(self, inst: Instance, request_id: str) -> None:
-        """Release the decode held for this prefill; if the call fails, the decode instance
-        releases it itself after its wait (and computes what did not arrive)."""
+    async def _pool_ready(self, inst: Instance, request_id: str,
+                          first_token: int | None = None) -> None:
+        """Release the decode held for this prefill, its first token made `first_token`; if
+        the call fails, the decode instance releases it itself after its wait (and computes
+        what did not arrive; a first token of its own is then caught by `strip_first`)."""
         try:
-            await inst.stub.PoolReady(worker_pb2.PoolReadyRequest(request_id=request_id),
+            await inst.stub.PoolReady(worker_pb2.PoolReadyRequest(request_id=request_id,
+                                                                  first_token=first_token),
                                       timeout=POOL_READY_TIMEOUT_S)
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
             log.warning("pool_ready_failed", request_id=request_id,

@@ -59,6 +59,8 @@ class Counts:
     aborted: int = 0
     retired: int = 0
     pool_ready: int = 0
+    pool_ready_first: list[int | None] = field(default_factory=list)
+    """The first token each `PoolReady` carried (None: none)."""
     last_params: worker_pb2.SamplingParams | None = None
     last_pool_wait: worker_pb2.PoolWait | None = None
     prefill_params: worker_pb2.SamplingParams | None = None
@@ -194,6 +196,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     async def PoolReady(self, request, context):
         self.counts.pool_ready += 1
+        self.counts.pool_ready_first.append(
+            request.first_token if request.HasField("first_token") else None)
         self.ready(request.request_id).set()
         return worker_pb2.PoolReadyReply(found=True)
 

@@ -70,9 +70,9 @@ def test_request_through_the_cluster_equals_a_single_engine(cluster, prompt_ids,
 
 def test_random_sampling_through_the_cluster_streams_the_prefills_token_consistently(
         cluster, prompt_ids):
-    """Unseeded sampling: the conductor seeds the request for both engines, so the decode
-    draws the token the prefill drew and streamed (a different draw would break the stream:
-    with one decode instance, an error instead of this answer)."""
+    """Unseeded sampling: `PoolReady` makes the decode's first token the one the prefill drew
+    and streamed (a different draw would break the stream: with one decode instance, an error
+    instead of this answer)."""
     fresh = list(reversed(prompt_ids["e2e"]))  # no engine caches it: the decode is held
     r = httpx.post(f"{cluster.url}/v1/completions", timeout=120, json={
         "prompt": fresh, "max_tokens": MAX_TOKENS, "temperature": 1.0,
@@ -81,6 +81,38 @@ def test_random_sampling_through_the_cluster_streams_the_prefills_token_consiste
     body = r.json()
     assert body["kv_transfer"]["first_token_from"] == "prefill"
     assert len(body["choices"][0]["token_ids"]) == MAX_TOKENS
+
+
+def test_the_decode_makes_its_first_token_the_one_pool_ready_names(cluster, prompt_ids,
+                                                                    reference):
+    """`worker.forced_token` on a real engine: the first token is the one named, not the one
+    greedy sampling picks; its logprob is the model's own (raw, not the forced distribution's
+    0); the rest follows from it; the next request on the engine is not forced."""
+    prompt, ref = prompt_ids["e2e"], reference["e2e"]
+    forced = ref["token_ids"][0] + 1
+    decode = _worker_stub(cluster, "decode")
+    params = worker_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1,
+                                       ignore_eos=True)
+
+    def generate(rid: str, hold: bool) -> tuple[list[int], list[float]]:
+        wait = worker_pb2.PoolWait(blocks=0, wait_s=10, hold=True) if hold else None
+        ids: list[int] = []
+        lps: list[float] = []
+        for chunk in decode.Generate(worker_pb2.GenerateRequest(
+                request_id=rid, token_ids=prompt, params=params, pool_wait=wait), timeout=60):
+            ids += chunk.token_ids
+            lps += chunk.logprobs
+        return ids, lps
+
+    rid = f"forced-{uuid.uuid4().hex[:8]}"
+    # ahead of its Generate, as when the prefill finishes first: remembered for it
+    decode.PoolReady(worker_pb2.PoolReadyRequest(request_id=rid, first_token=forced),
+                     timeout=10)
+    ids, lps = generate(rid, hold=True)
+    assert ids[0] == forced and len(ids) == MAX_TOKENS
+    assert lps[0] < ref["logprobs"][0] - 1e-3  # what the model gives the token, not 0.0
+    ids, lps = generate(f"free-{uuid.uuid4().hex[:8]}", hold=False)
+    assert_same_output(ids, lps, ref)
 
 
 def _worker_stub(cluster, role: str) -> worker_pb2_grpc.WorkerStub:

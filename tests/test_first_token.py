@@ -27,15 +27,12 @@ def test_only_single_choice_requests_without_stop_strings_or_prompt_logprobs():
     assert prefill_params(_params(stop=["x"])) is None
 
 
-def test_random_sampling_gets_a_seed_both_engines_share():
+def test_random_sampling_goes_as_asked_no_seed_added():
+    """The decode's first token is forced to the prefill's (`worker.forced_token`), not
+    drawn from a shared seed: a seeded request chunk-prefilled kills a vLLM-CPU engine."""
     p = _params(temperature=0.8)
-    sent = prefill_params(p)
-    assert p.HasField("seed") and sent.seed == p.seed  # the decode's params carry it too
-    q = _params(temperature=0.8, seed=7)
-    assert prefill_params(q).seed == 7 == q.seed
-    greedy = _params(temperature=0.0)
-    prefill_params(greedy)
-    assert not greedy.HasField("seed")
+    assert not prefill_params(p).HasField("seed") and not p.HasField("seed")
+    assert prefill_params(_params(temperature=0.8, seed=7)).seed == 7
 
 
 def _chunk(tokens, text, **kw) -> worker_pb2.GenerateChunk:
@@ -75,6 +72,8 @@ def test_the_prefills_token_streams_while_the_decode_is_still_held(model_dir):
         assert c.worker("prefill").counts.prefill_params is not None
         gate.set()
         rest = list(events)
+        # the decode was told which token to make its first
+        assert c.worker("decode").counts.pool_ready_first == [10]
     texts = [e["choices"][0]["text"] for e in [first, *rest] if e["choices"]]
     assert "".join(texts) == "w0 w1 w2 w3 "  # each token once
     usage = [e["usage"] for e in rest if e.get("usage")]

@@ -16,6 +16,9 @@ from worker.config import WorkerConfig
 
 log = structlog.get_logger(__name__)
 
+FORCED_FIRST_TOKEN_PROCESSOR = "worker.forced_token:ForcedFirstToken"
+"""Loaded by every engine: a decode makes its first token the prefill's (`worker.forced_token`)."""
+
 
 def kv_namespace(model: str, block_size: int, dtype: str) -> str:
     """Pool key prefix: blocks are only shared between engines with the same model and layout."""
@@ -91,6 +94,7 @@ class Engine:
             enforce_eager=c.enforce_eager,
             kv_transfer_config=ktc,
             disable_log_stats=True,
+            logits_processors=[FORCED_FIRST_TOKEN_PROCESSOR],
         )
         if c.kv_events:
             import asyncio
@@ -160,8 +164,14 @@ class Engine:
         )
 
     def generate(self, request_id: str, token_ids: list[int], params, cache_salt: str,
-                 pool_wait: tuple[int, float] | None = None) -> AsyncIterator:
-        """Stream `RequestOutput` deltas; cancelling the iterator aborts the engine request."""
+                 pool_wait: tuple[int, float] | None = None,
+                 first_token: int | None = None) -> AsyncIterator:
+        """Stream `RequestOutput` deltas; cancelling the iterator aborts the engine request.
+        `first_token`: what the first output token must be (`worker.forced_token`)."""
+        if first_token is not None:
+            from worker.forced_token import forced
+
+            forced(params, first_token)
         return self.llm.generate(self._prompt(token_ids, cache_salt),
                                  self.with_pool_wait(params, pool_wait), request_id)
 

@@ -7,6 +7,7 @@ import contextlib
 import math
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import NamedTuple
 
 import grpc
 import structlog
@@ -98,6 +99,15 @@ SAVE_WAIT_S = 0.5
 _EARLY_TTL_S = 60.0
 
 
+class Held(NamedTuple):
+    """What holding a Generate for its prefill (`PoolWait.hold`) came to."""
+    pool_wait: tuple[int, float] | None
+    """The engine's pool wait: blocks and the seconds it may wait for them."""
+    seconds: float
+    first_token: int | None
+    """The prefill's first token (`PoolReady`): the engine's first is made it."""
+
+
 def _pool_wait(request: worker_pb2.PrefillRequest | worker_pb2.GenerateRequest
                ) -> tuple[int, float] | None:
     if not request.HasField("pool_wait"):
@@ -150,6 +160,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._ready: dict[str, asyncio.Event] = {}
         self._early: dict[str, float] = {}
         """`PoolReady`s that came before their Generate, and when."""
+        self._first: dict[str, int] = {}
+        """First tokens `PoolReady` brought, by request id, until their Generate takes them."""
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
                       ) -> worker_pb2.PrefillReply:
@@ -199,9 +211,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         first = True
         cached = 0
         try:
-            pool_wait, held = await self._hold(request)
+            held = await self._hold(request)
             outs = self.engine.generate(rid, list(request.token_ids), params,
-                                        request.cache_salt, pool_wait)
+                                        request.cache_salt, held.pool_wait, held.first_token)
             async with contextlib.aclosing(outs):
                 async for out in outs:
                     if first:
@@ -218,7 +230,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                             cached - failed * self.engine.config.block_size, 0)
                     if first or out.finished:
                         times = engine_times(out, received)
-                        times.held = held
+                        times.held = held.seconds
                         chunks[-1 if out.finished else 0].times.CopyFrom(times)
                     for chunk in chunks:
                         yield chunk
@@ -234,15 +246,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.generates -= 1
             log.info("generate_end", request_id=rid)
 
-    async def _hold(self, request: worker_pb2.GenerateRequest
-                    ) -> tuple[tuple[int, float] | None, float]:
+    async def _hold(self, request: worker_pb2.GenerateRequest) -> Held:
         """A request whose prefill runs elsewhere (`PoolWait.hold`) stays out of the engine
         until `PoolReady` or its `wait_s`; then the engine waits at most `SAVE_WAIT_S` for the
-        blocks still being saved (none, after a timeout: it computes what is missing).
-        Returns the engine's pool wait and the seconds held."""
+        blocks still being saved (none, after a timeout: it computes what is missing)."""
         wait = _pool_wait(request)
         if wait is None or not request.pool_wait.hold:
-            return wait, 0.0
+            return Held(wait, 0.0, None)
         blocks, wait_s = wait
         rid = request.request_id
         self._early.pop(rid, None)
@@ -257,10 +267,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         finally:
             self._held.pop(rid, None)
         held = time.monotonic() - t0
-        return (blocks, SAVE_WAIT_S if ready.is_set() else 0.0), held
+        return Held((blocks, SAVE_WAIT_S if ready.is_set() else 0.0), held,
+                    self._first.pop(rid, None))
 
     async def PoolReady(self, request: worker_pb2.PoolReadyRequest,
                         context: grpc.aio.ServicerContext) -> worker_pb2.PoolReadyReply:
+        if request.HasField("first_token"):
+            self._first[request.request_id] = request.first_token
         held = self._held.get(request.request_id)
         if held is not None:
             held.set()
@@ -271,6 +284,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if now - at > _EARLY_TTL_S:
                 del self._early[rid]
                 self._ready.pop(rid, None)
+                self._first.pop(rid, None)
         ready = asyncio.Event()
         ready.set()
         self._ready[request.request_id] = ready
