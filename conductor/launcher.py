@@ -33,6 +33,10 @@ from store.master import StoreClientService, StoreMaster
 
 log = structlog.get_logger(__name__)
 
+WORKER_RESTARTS = 5
+"""Workers `make run` starts again after they failed (an engine that died), in all: a
+cluster whose workers keep failing stops instead (the last failure's log tail says why)."""
+
 
 @dataclass(frozen=True)
 class ClusterSpec:
@@ -92,6 +96,7 @@ class WorkerProcess:
     role: str
     port: int
     process: ManagedProcess
+    engine: shape.Engine | None = None
 
     @property
     def address(self) -> str:
@@ -111,6 +116,7 @@ class EmbeddedCluster:
     admin_port: int = 0
     admin_token: str = ""
     _counter: dict[str, int] = field(default_factory=dict)
+    _restarts: int = 0
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.spec.run_dir or tempfile.mkdtemp(prefix="kvcluster-"))
@@ -179,7 +185,7 @@ class EmbeddedCluster:
         self._counter[role] = n + 1
         instance_id = f"{role}-{n}"
         proc, port = self.worker_spec().start(role, instance_id, placement=engine)
-        wp = WorkerProcess(instance_id, role, port, proc)
+        wp = WorkerProcess(instance_id, role, port, proc, engine)
         self.workers[instance_id] = wp
         log.info("worker_started", instance_id=instance_id, pid=proc.pid, port=port)
         return wp
@@ -232,12 +238,22 @@ class EmbeddedCluster:
             time.sleep(0.5)
         raise TimeoutError(f"cluster not ready after {timeout:.0f}s; logs in {self.run_dir}")
 
-    def _check_alive(self) -> None:
-        """Raise if a child died; a worker that exited cleanly was retired (ResizePool)."""
+    def _check_alive(self, restart: bool = False) -> None:
+        """Raise if a child died; a worker that exited cleanly was retired (ResizePool).
+        `restart`: a worker that failed (its engine died) is replaced by a new one in its
+        place, up to `WORKER_RESTARTS` times in the cluster's life."""
         for iid, w in list(self.workers.items()):
-            if not w.process.alive() and w.process.returncode == 0:
+            if w.process.alive():
+                continue
+            if w.process.returncode == 0:
                 log.info("worker_retired", instance_id=iid)
                 del self.workers[iid]
+            elif restart and self._restarts < WORKER_RESTARTS:
+                self._restarts += 1
+                log.warning("worker_died", instance_id=iid, returncode=w.process.returncode,
+                            restarts=self._restarts, log_tail=w.process.tail(10))
+                del self.workers[iid]
+                self.start_worker(w.role, w.engine)
         procs = [w.process for w in self.workers.values()]
         if self.conductor is not None:
             procs.append(self.conductor)
@@ -367,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
               + "Ctrl-C stops every process.", flush=True)
         while True:
             time.sleep(1.0)
-            cluster._check_alive()
+            cluster._check_alive(restart=True)
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)
     finally:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+from conftest import wait_until
 
 from cluster.ports import free_port
 
@@ -39,7 +40,19 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_launcher_serves_and_ctrl_c_leaves_nothing(model_dir, tmp_path):
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _complete(port: int) -> httpx.Response:
+    return httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                      json={"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0})
+
+
+def test_launcher_serves_restarts_a_dead_engine_and_ctrl_c_leaves_nothing(model_dir, tmp_path):
     port = free_port()
     # started with SIGINT ignored, as background jobs are (and as this runner's children may
     # be): Ctrl-C must still stop it
@@ -64,15 +77,25 @@ def test_launcher_serves_and_ctrl_c_leaves_nothing(model_dir, tmp_path):
         printed = "".join(lines)
         assert f"curl http://127.0.0.1:{port}/v1/completions" in printed
 
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                       json={"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0})
+        r = _complete(port)
         assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"]
+        text = r.json()["choices"][0]["text"]
+        assert text
+
+        # an engine core killed (as the OOM killer would): its worker leaves, the launcher
+        # starts another in its place, and the cluster serves again
+        cores = [p for p in _descendants(proc.pid) if _comm(p).startswith("VLLM::EngineCor")]
+        assert cores
+        os.kill(cores[0], signal.SIGKILL)
+        wait_until(lambda: _complete(port).status_code == 200, timeout=240, interval=1.0)
+        assert _complete(port).json()["choices"][0]["text"] == text
+        assert proc.poll() is None
 
         seen = _descendants(proc.pid)
         assert len(seen) >= 4  # etcd, master, two workers, conductor (and engine cores)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=90) == 0
+        assert "worker_died" in proc.stdout.read()  # type: ignore[union-attr]
     finally:
         if proc.poll() is None:
             os.killpg(os.getpgid(proc.pid), signal.SIGKILL)

@@ -189,6 +189,13 @@ class Engine:
         except AttributeError:
             return 0
 
+    def dead(self) -> BaseException | None:
+        """Why the engine core is dead (a fatal error in a step, its process killed), or None
+        while it serves."""
+        if self._llm is None or not self._llm.errored:
+            return None
+        return self._llm.dead_error
+
     def shutdown(self) -> None:
         if self._llm is not None:
             self._llm.shutdown()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -24,7 +25,12 @@ log = structlog.get_logger(__name__)
 VERSION = "0.1.0"
 
 
-async def serve(config: WorkerConfig) -> None:
+ENGINE_CHECK_S = 0.5
+"""How often a worker checks that its engine core is alive."""
+
+
+async def serve(config: WorkerConfig) -> bool:
+    """Serve until told to stop (True) or the engine dies (False)."""
     engine = Engine(config)
     engine.start()
     servicer = WorkerServicer(engine, config.instance_id, config.role)
@@ -60,15 +66,30 @@ async def serve(config: WorkerConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    dead = await _until_stopped_or_dead(stop, engine)
+    if dead is not None:
+        log.error("engine_dead", instance_id=config.instance_id, error=repr(dead))
 
     # Ordered shutdown: stop being routed to, drain in-flight RPCs, then stop the engine.
     log.info("worker_stopping", instance_id=config.instance_id)
     await health_servicer.enter_graceful_shutdown()
     await registration.stop()
-    await server.stop(grace=10.0)
+    await server.stop(grace=0.0 if dead is not None else 10.0)
     engine.shutdown()
     log.info("worker_stopped", instance_id=config.instance_id)
+    return dead is None
+
+
+async def _until_stopped_or_dead(stop: asyncio.Event, engine: Engine) -> BaseException | None:
+    """Wait for `stop`, or for the engine core to die: a worker whose engine is dead answers
+    every call with an error, so it leaves (lease revoked, exit status 1) for its supervisor
+    to start another rather than stay routed to."""
+    while not stop.is_set():
+        if (dead := engine.dead()) is not None:
+            return dead
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), ENGINE_CHECK_S)
+    return None
 
 
 def placement(device: str) -> dict:
@@ -89,4 +110,5 @@ def placement(device: str) -> dict:
 def main(role: str, argv: list[str] | None = None) -> None:
     config = parse_args(argv, role)
     configure(f"{role}_worker")
-    asyncio.run(serve(config))
+    if not asyncio.run(serve(config)):
+        raise SystemExit(1)
