@@ -1,7 +1,12 @@
 """Child processes of the launcher and the tests, each in its own process group.
 
-A child is started as a session leader so that `stop()`/`kill()` reach its own children too
-(vLLM's engine core), and through `setpriv --pdeathsig KILL` so that it dies with its parent.
+A child is started as the leader of a process group of its own so that `stop()`/`kill()`
+reach its own children too (vLLM's engine core), and through `setpriv --pdeathsig KILL` so
+that it dies with its parent. In the parent's session, not a new one: Linux's scheduler
+shares the CPU out between sessions first (autogroups), so with every child a session of its
+own, two engines computing on two cores starved the conductor, the worker front ends, the
+store and the load generator for 0.25-7 s at a time (`make bench-serve`, pd arm, one to five
+times a run; none since, and engines at niceness 10 in sessions of their own still had them).
 No `preexec_fn`: that forces a real fork(), and gRPC's fork handlers then abort children
 of a process with RPCs in flight.
 
@@ -32,7 +37,8 @@ def _die_with_parent(argv: list[str]) -> list[str]:
 
 
 class ManagedProcess:
-    """One supervised child: started in its own session, logged to a file, stopped as a group."""
+    """One supervised child: started in its own process group, logged to a file, stopped as a
+    group."""
 
     def __init__(
         self,
@@ -61,7 +67,7 @@ class ManagedProcess:
                 stdin=subprocess.DEVNULL,
                 env=self.env,
                 cwd=self.cwd,
-                start_new_session=True,
+                process_group=0,
             ).result()
         finally:
             log.close()

@@ -37,6 +37,7 @@ from conductor.first_token import (
 from conductor.registry import Instance, Registry
 from conductor.resilience import (
     UNREACHABLE,
+    Diverged,
     Next,
     PrefillFailure,
     Recovery,
@@ -225,7 +226,7 @@ class Pipeline:
             self.registry.call_succeeded(dispatch.decode.instance_id)
             dispatch.decode_done()
         except WorkerFailure as f:
-            if not isinstance(f, PrefillFailure):
+            if not isinstance(f, PrefillFailure | Diverged):  # neither is the decode's fault
                 self._count_failure(f, dispatch)
             raise
         finally:
@@ -354,9 +355,9 @@ class Pipeline:
                 try:
                     chunk = strip_first(chunk, sent)
                 except FirstTokenMismatch as e:
-                    log.error("first_token_mismatch", request_id=prep.request_id, error=str(e))
-                    raise WorkerFailure(iid, grpc.StatusCode.INTERNAL,
-                                        UpstreamFailed(str(e))) from None
+                    log.warning("first_token_mismatch", request_id=prep.request_id,
+                                error=str(e))
+                    raise Diverged(iid, str(e)) from None
             tl.mark("first_chunk")
             opening = True
             while chunk is not grpc.aio.EOF:

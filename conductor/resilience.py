@@ -10,7 +10,11 @@ retried. A failure of an instance is survived where something else can run the r
 - a stream broken after it: continued on another decode instance from the prompt plus the
   tokens already sent (their KV is in the pool, so it recomputes little), up to
   `MAX_MIGRATIONS` times;
-- a failure after choice 0 finished loses nothing and is ignored.
+- a failure after choice 0 finished loses nothing and is ignored;
+- a decode whose first token is not the one the prefill streamed (`Diverged`: it was
+  released without it, after its hold timed out) is no failure of the instance: the stream
+  continues from what was sent, on any decode instance (that one included), like a
+  migration.
 
 Every retry waits a jittered, doubling backoff. When nothing else can run the request, the
 latest failure is the answer. Each path counts in the request's `Outcome` and the metrics,
@@ -105,6 +109,13 @@ def cancelled_by_us() -> bool:
     return task is None or task.cancelling() > 0
 
 
+class Diverged(WorkerFailure):
+    """The decode's first token differs from the prefill's, already streamed."""
+
+    def __init__(self, instance: str, message: str) -> None:
+        super().__init__(instance, grpc.StatusCode.ABORTED, UpstreamFailed(message))
+
+
 class Next(enum.Enum):
     RETRY = "retry"
     """Route again, avoiding the failed instance."""
@@ -149,9 +160,14 @@ class Recovery:
         error when it is the answer."""
         if not f.retryable:
             raise f.error
+        o = self.outcome
+        if isinstance(f, Diverged) and o.migrations < MAX_MIGRATIONS and _continuable(
+                self.prep):
+            self.current = _continued(self.prep, self.sent, o.migrations + 1)
+            self.broken = f
+            return Next.MIGRATE
         self.exclude.add(f.instance)
         self.last = f
-        o = self.outcome
         if isinstance(f, PrefillFailure):
             if other_prefill and o.retries < MAX_RETRIES:
                 return self._retry("prefill", f)

@@ -47,8 +47,8 @@ class Knobs:
     decode_gate: threading.Event | None = None
     """When set, a decode produces no token until the gate opens (after its hold)."""
     first_token_shift: int = 0
-    """Added to the token id the prefill returns as the first token (a mismatch with the
-    decode's, which real engines must never produce)."""
+    """Added to the token id the first Prefill returns as the first token: the decode's
+    differs, as a real decode's does when it was released without it (its hold timed out)."""
 
 
 @dataclass
@@ -114,7 +114,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         if request.HasField("params"):  # the first token, as the decode will sample it
             self.counts.prefill_params = request.params
             reply.first.CopyFrom(self._chunk(request.params, request, 0, 0, [""], first=True))
-            reply.first.token_ids[0] += self.knobs.first_token_shift
+            if self.counts.prefills == 1:
+                reply.first.token_ids[0] += self.knobs.first_token_shift
         if self.knobs.engine_times:
             reply.times.CopyFrom(_times(received, received))
         return reply

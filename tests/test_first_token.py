@@ -80,13 +80,19 @@ def test_the_prefills_token_streams_while_the_decode_is_still_held(model_dir):
     assert not usage or usage[-1]["completion_tokens"] == 4
 
 
-def test_a_decode_disagreeing_with_the_streamed_token_is_a_broken_stream(model_dir):
-    """With no other decode instance to continue on, the client gets an error event after
-    the token it has, not a stream that silently diverges, and not a hang."""
+def test_a_decode_disagreeing_with_the_streamed_token_continues_from_it(model_dir):
+    """The decode's first token is not the one streamed (a real decode released without it):
+    not the instance's fault, so the stream goes on from the prompt plus the streamed token,
+    on the same decode instance (the only one)."""
     with LocalConductor(model_dir, knobs=Knobs(first_token_shift=1),
                         conductor_args=("--disaggregate", "always")) as c:
         events = list(_stream(c.url, {"prompt": "word " * 80, "max_tokens": 4,
-                                      "temperature": 0}))
-    tokens = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
-    assert tokens == "w0 "  # the prefill's token, then nothing of the decode's
-    assert any("error" in e for e in events), events
+                                      "temperature": 0, "stream_options":
+                                      {"include_usage": True}}))
+        decode = c.worker("decode").counts
+        assert decode.generates == 2  # the stream, then its continuation
+        assert decode.last_params.max_tokens == 3
+    assert not any("error" in e for e in events), events
+    tokens = [e["choices"][0]["text"] for e in events if e.get("choices")]
+    assert tokens[0] == "w0 " and len("".join(tokens).split()) == 4
+    assert [e["usage"]["completion_tokens"] for e in events if e.get("usage")][-1] == 4
