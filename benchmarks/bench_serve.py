@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -146,7 +147,18 @@ def run_bench(r: Running, model_dir: str, dataset: str, rate: float, prompts: in
         raise RuntimeError(f"vllm bench serve failed ({tag}):\n{proc.stderr[-3000:]}")
     res = json.loads((out / f"{tag}.json").read_text())
     res["tag"] = tag
+    res.update(token_gaps(res.get("itls") or []))
     return res
+
+
+def token_gaps(itls: list[list[float]]) -> dict[str, float]:
+    """What a TPOT is made of: the median gap between a request's first and second token, and
+    the median of its later gaps (ms). On a disaggregated route the first gap holds the
+    hand-over to the decode engine (the first token is the prefill's)."""
+    first = [x[0] * 1e3 for x in itls if x]
+    later = [y * 1e3 for x in itls for y in x[1:]]
+    return {"median_gap1_ms": statistics.median(first) if first else math.nan,
+            "median_itl_later_ms": statistics.median(later) if later else math.nan}
 
 
 _KV = re.compile(r"(\w+)=(\S+)")
@@ -199,7 +211,8 @@ def scrape(url: str) -> dict[str, float]:
 # ----------------------------------------------------------------------------- report
 
 
-KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_itl_ms")
+KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "median_gap1_ms",
+        "median_itl_later_ms", "p99_itl_ms")
 
 
 def cells(results: list[Result]) -> dict[tuple[str, str], list[Result]]:
@@ -216,15 +229,16 @@ def median_of(rs: list[Result], key: str) -> float:
 
 def spread(rs: list[Result], key: str) -> str:
     """`median` with the range over repetitions when there are several."""
-    vals = [r.bench[key] for r in rs]
+    vals = [r.bench.get(key, math.nan) for r in rs]
     med = statistics.median(vals)
     return f"{med:.1f}" if len(vals) == 1 else f"{med:.1f} ({min(vals):.1f}-{max(vals):.1f})"
 
 
 def table(results: list[Result]) -> str:
-    rows = ["| dataset | arm | ok/n | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p99 ms "
+    rows = ["| dataset | arm | ok/n | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms "
+            "| 1st-2nd token gap p50 ms | later ITL p50 ms | ITL p99 ms "
             "| TTFT x plain | TPOT x plain | host stalls s (per run) |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     c = cells(results)
     for (arm, ds), rs in sorted(c.items(), key=lambda kv: (kv[0][1], ARMS.index(kv[0][0]))):
         ok = sum(r.bench["completed"] for r in rs)
@@ -361,7 +375,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--auto-args", default="", help="extra launcher flags for the auto arm")
     p.add_argument("--pd-args", default="--prefill 1 --decode 1 --disaggregate always",
                    help="launcher flags of the forced P/D arm")
+    p.add_argument("--render", action="store_true",
+                   help="print the tables, plot and summary of --out's results.json again")
     a = p.parse_args(argv)
+    if a.render:
+        return report(load(Path(a.out) / "results.json"), Path(a.out))
     from tinymodel.builder import ensure_model
 
     model = str(ensure_model())
@@ -380,6 +398,19 @@ def main(argv: list[str] | None = None) -> int:
     (out / "results.json").write_text(json.dumps(
         {"machine": describe(), "args": vars(a), "results": [r.__dict__ for r in results]},
         indent=1))
+    return report(results, out)
+
+
+def load(path: Path) -> list[Result]:
+    """A results.json's runs (the token gaps computed where an older run lacks them)."""
+    results = [Result(**r) for r in json.loads(path.read_text())["results"]]
+    for r in results:
+        if "median_gap1_ms" not in r.bench:
+            r.bench.update(token_gaps(r.bench.get("itls") or []))
+    return results
+
+
+def report(results: list[Result], out: Path) -> int:
     print("\n" + table(results) + "\n\n" + stage_table(results) + "\n")
     if len(results) > 1:
         plot(results, out / "serve.png")
