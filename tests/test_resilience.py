@@ -219,10 +219,13 @@ def test_a_decode_instance_that_left_during_the_prefill_still_answers(model_dir)
             assert time.monotonic() < deadline
             time.sleep(0.01)
         waiting = c.workers[chosen[0].instance_id]
-        while not waiting.counts.generates:  # the decode started beside the prefill
+        prefill = c.worker("prefill").counts
+        # the decode started beside the prefill (the two RPCs arrive in either order), and
+        # the prefill still runs (its 1 s delay)
+        while not (waiting.counts.generates and prefill.running):
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        assert c.worker("prefill").counts.running == 1  # still prefilling
+        assert prefill.prefills == 1 and prefill.running == 1
         asyncio.run_coroutine_threadsafe(chosen[0].channel.close(grace=30), c._loop).result(5)
         t.join(20)
         assert result[0].status_code == 200, result[0].text
