@@ -77,7 +77,7 @@ class Result:
     engine: dict[str, float] = field(default_factory=dict)
     """The plain server's mean queue / prefill / decode seconds per request (vLLM's metrics)."""
     host_stalls: list[float] = field(default_factory=list)
-    """Seconds the whole machine stood still during the run (`StallWatch`), per stall."""
+    """Seconds the benchmark's process stood still during the run (`StallWatch`), per stall."""
 
 
 # ----------------------------------------------------------------------------- the arms

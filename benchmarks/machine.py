@@ -25,10 +25,10 @@ def describe() -> str:
 
 class StallWatch:
     """Host stalls during a measurement: a thread that wakes every `tick_s` and records each
-    wake-up that came more than `min_gap_s` late. On a shared virtual machine the whole guest
-    is sometimes paused for seconds (seen here: 2-5 s, every process frozen, `vmstat 1`
-    silent meanwhile); every request in flight then gains that time, whichever system it
-    runs on. A benchmark reports them beside its figures."""
+    wake-up that came more than `min_gap_s` late, seconds in which this process got no CPU
+    (the machine paused, or the scheduler starved it: seen here for 0.25-7 s at a time when
+    every cluster process was a session of its own, `cluster/process.py`); every request in
+    flight then gains that time. A benchmark reports them beside its figures."""
 
     def __init__(self, tick_s: float = 0.01, min_gap_s: float = 0.25) -> None:
         import threading

@@ -11,7 +11,8 @@ processor leaves only it possible, so sampling at random gives both engines the 
 without sharing a seed (the logprobs are the model's raw ones, bit-identical on both engines:
 tests/test_e2e.py). The conductor drops it from the decode's first chunk after checking it
 is the one streamed; a mismatch (a decode released without `PoolReady`, after its hold timed
-out) is a broken stream (`FirstTokenMismatch`): what the client has is continued elsewhere.
+out) is `FirstTokenMismatch`, and the stream continues from what the client has
+(`conductor.resilience.Diverged`).
 
 Not for: several choices (`n` > 1), prompt logprobs (one set is sent, by the decode), stop
 strings (the decode holds back text that might start one, a finished prefill does not), or a

@@ -72,9 +72,10 @@ def test_request_through_the_cluster_equals_a_single_engine(cluster, prompt_ids,
 def test_random_sampling_through_the_cluster_streams_the_prefills_token_consistently(
         cluster, prompt_ids):
     """Unseeded sampling: `PoolReady` makes the decode's first token the one the prefill drew
-    and streamed (a different draw would break the stream: with one decode instance, an error
-    instead of this answer)."""
+    and streamed (a different draw would be a diverged stream, continued from the prefill's
+    token: counted as a migration)."""
     fresh = list(reversed(prompt_ids["e2e"]))  # no engine caches it: the decode is held
+    migrations = _pool_metric(cluster, "kvcluster_stream_migrations_total")
     r = httpx.post(f"{cluster.url}/v1/completions", timeout=120, json={
         "prompt": fresh, "max_tokens": MAX_TOKENS, "temperature": 1.0,
         "ignore_eos": True, "return_token_ids": True})
@@ -82,6 +83,7 @@ def test_random_sampling_through_the_cluster_streams_the_prefills_token_consiste
     body = r.json()
     assert body["kv_transfer"]["first_token_from"] == "prefill"
     assert len(body["choices"][0]["token_ids"]) == MAX_TOKENS
+    assert _pool_metric(cluster, "kvcluster_stream_migrations_total") == migrations
 
 
 def test_the_decode_makes_its_first_token_the_one_pool_ready_names(cluster, prompt_ids,
