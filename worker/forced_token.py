@@ -24,8 +24,6 @@ if TYPE_CHECKING:
 
 FORCED_FIRST_TOKEN = "kvcluster_first_token"
 """`extra_args` key: the token id the request's first output token must be."""
-FQCN = f"{__name__}:ForcedFirstToken"
-"""What `--logits-processors` (`AsyncEngineArgs.logits_processors`) takes."""
 
 
 def forced(params: SamplingParams, token_id: int) -> None:
