@@ -13,22 +13,53 @@ of a process with RPCs in flight.
 Linux sends the parent-death signal when the *thread* that forked exits, not the process: a
 child started from a short-lived thread would be killed with it. So every child is started
 from one long-lived spawner thread, whichever thread asks.
+
+Children started inside `children_on(cpus)` run on those cores (the spawner thread takes
+them for the fork: a child inherits its forking thread's affinity, and its children theirs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from pathlib import Path
 
 _SETPRIV = shutil.which("setpriv")
 _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
 """Lives as long as the process: the parent-death signal follows the forking thread."""
+
+
+_CHILD_CPUS: ContextVar[frozenset[int] | None] = ContextVar("child_cpus", default=None)
+
+
+@contextlib.contextmanager
+def children_on(cpus: frozenset[int] | None) -> Iterator[None]:
+    """Children started inside this block (by this thread or task) run on `cpus` (None or
+    empty: wherever the parent runs)."""
+    token = _CHILD_CPUS.set(cpus or None)
+    try:
+        yield
+    finally:
+        _CHILD_CPUS.reset(token)
+
+
+def _popen(cpus: frozenset[int] | None, argv: list[str], **kw) -> subprocess.Popen[bytes]:
+    """In the spawner thread: fork with its affinity set to `cpus`, then restore it."""
+    if not cpus:
+        return subprocess.Popen(argv, **kw)
+    old = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        return subprocess.Popen(argv, **kw)
+    finally:
+        os.sched_setaffinity(0, old)
 
 
 def _die_with_parent(argv: list[str]) -> list[str]:
@@ -60,7 +91,8 @@ class ManagedProcess:
         log = open(self.log_path, "ab", buffering=0)
         try:
             self.proc = _SPAWNER.submit(
-                subprocess.Popen,
+                _popen,
+                _CHILD_CPUS.get(),
                 _die_with_parent(self.argv),
                 stdout=log,
                 stderr=subprocess.STDOUT,

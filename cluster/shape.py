@@ -16,7 +16,14 @@ with every core serves a tiny model's requests faster than two with one core eac
 
 An explicit shape (`--prefill N --decode N --both N`) gets the cores shared out the same way
 (the serving core kept while there are more cores than engines); engines outnumbering the
-cores share them unbound, one thread each.
+cores share them unbound, one thread each. Where no core is left for the serving processes
+(Mooncake's shape on 2 cores: prefill on core 0, decode on core 1), prefill engines compute
+in the background (`Engine.background`): the serving processes, which carry every token of
+the decode's streams, take a prefill's core whenever they need it.
+
+Placed engines keep all their processes on their own cores, and the serving processes are
+started on the rest (`Shape.serving_cpus`), so that nothing floats onto a core where an
+engine computes.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from cluster.instance import format_cpu_list
+from cluster.instance import cpu_list, format_cpu_list
 
 RESERVED_CORES = 1
 """Cores kept for the serving processes when there is more than one."""
@@ -49,12 +56,32 @@ class Engine:
     over every core, the serving core too, where a second of spinning after each step starves
     the conductor and the worker front ends (measured with `make bench-serve`: 10-19 of 60
     first tokens held 100-930 ms on their way to the conductor; none with a 10 ms spin)."""
+    background: bool = False
+    """Whether its vLLM processes (engine core, model worker; not its front end) run at
+    `SCHED_IDLE` (`worker/vllm_plugin.py`): set for prefill engines on cores the serving
+    processes share. At the same priority a prefill (30-50 ms of compute) holds up the
+    front ends, the conductor and the decode engine's own engine-core process, and every
+    token of the decode's streams waits; at `SCHED_IDLE` the kernel counts the core as idle
+    for them (measured with `make bench-serve`, pd arm: later token gaps 5.3-5.8 ms against
+    the plain server's 3.0-4.0; 4.0-4.6 in the background)."""
 
 
 @dataclass(frozen=True)
 class Shape:
     engines: tuple[Engine, ...]
     reason: str
+    serving_cpus: str = ""
+    """The cores the serving processes (conductor, worker front ends, etcd, the store) are
+    started on: those no engine computes on but a background one; "" = anywhere. Each bound
+    engine's vLLM processes (engine core, model worker) stay on its own cores (the worker's
+    `--engine-cpus`). Left to themselves, an engine-core process floated to whichever core
+    was free and spun there, and the serving processes floated onto the engines' cores:
+    measured with `make bench-serve`, pd arm, the decode engine's compute thread waited for
+    its core 10.6% of the time, 2.7% with only its engine there; later token gaps 5.5-5.7 ms,
+    4.2-4.3 (3 repetitions each). The engine core on the serving core instead (its worker's
+    compute thread alone on the engine's core) was slower: 4.7-5.4 ms in `auto`, where the
+    serving core has nothing else to do; pd, with the background prefill there: TTFT 63-66
+    ms against 36-51 (one run each)."""
 
     def count(self, role: str) -> int:
         return sum(e.role == role for e in self.engines)
@@ -62,8 +89,10 @@ class Shape:
     def describe(self) -> str:
         parts = [f"{self.count(r)} {r}" for r in ("prefill", "decode", "both") if self.count(r)]
         places = ", ".join(f"{e.role}: {'gpu ' + e.gpu if e.gpu else 'cores ' + e.cpu_bind}"
-                           f" x{e.threads}" for e in self.engines)
-        return f"{' + '.join(parts)} ({places}): {self.reason}"
+                           f" x{e.threads}{' background' if e.background else ''}"
+                           for e in self.engines)
+        serving = f"; serving processes on cores {self.serving_cpus}" if self.serving_cpus else ""
+        return f"{' + '.join(parts)} ({places}{serving}): {self.reason}"
 
 
 def machine_cores() -> list[int]:
@@ -82,8 +111,7 @@ def choose(cores: list[int], gpus: int = 0, prefill: int | None = None,
             raise ValueError("a cluster needs at least one engine")
         if not any(r != "prefill" for r in roles) or not any(r != "decode" for r in roles):
             raise ValueError("a cluster needs a prefill-capable and a decode-capable engine")
-        usable = _engine_cores(cores, len(roles))
-        return _place(roles, usable, gpus, "as asked")
+        return _place(roles, _engine_cores(cores, len(roles)), gpus, "as asked", cores)
     if gpus:
         return _place(["both"] * gpus, cores, gpus,
                       f"{gpus} GPU(s): one engine each, the policy disaggregates where it pays")
@@ -94,7 +122,7 @@ def choose(cores: list[int], gpus: int = 0, prefill: int | None = None,
     why = (f"{len(cores)} cores: {kept}one engine on the rest (engines sharing cores stall "
            "each other's streams)" if n == 1 else
            f"{len(cores)} cores: {kept}{n} engines of {len(usable) // n} cores each")
-    return _place(["both"] * n, usable, 0, why)
+    return _place(["both"] * n, usable, 0, why, cores)
 
 
 def _engine_cores(cores: list[int], engines: int) -> list[int]:
@@ -104,7 +132,9 @@ def _engine_cores(cores: list[int], engines: int) -> list[int]:
     return cores
 
 
-def _place(roles: list[str], cores: list[int], gpus: int, reason: str) -> Shape:
+def _place(roles: list[str], cores: list[int], gpus: int, reason: str,
+           machine: list[int] | None = None) -> Shape:
+    """`cores`: the engines'; `machine`: every core (the serving processes' are the rest)."""
     if gpus:
         return Shape(tuple(Engine(r, "nobind", 1, gpu=str(i % gpus), busy_wait=True)
                            for i, r in enumerate(roles)), reason)
@@ -113,6 +143,13 @@ def _place(roles: list[str], cores: list[int], gpus: int, reason: str) -> Shape:
         return Shape(tuple(Engine(r, "nobind", 1) for r in roles),
                      reason + f"; {n} engines on {len(cores)} cores share them")
     per = len(cores) // n
-    return Shape(tuple(Engine(r, format_cpu_list(set(cores[i * per:(i + 1) * per])), per)
-                 for i, r in enumerate(roles)), reason)
+    machine = machine or cores
+    background = len(cores) == len(machine) and "prefill" in roles
+    if background:
+        reason += "; prefill engines in the background of the serving processes"
+    engines = tuple(Engine(r, format_cpu_list(set(cores[i * per:(i + 1) * per])), per,
+                           background=background and r == "prefill")
+                    for i, r in enumerate(roles))
+    computing = set().union(*(cpu_list(e.cpu_bind) for e in engines if not e.background))
+    return Shape(engines, reason, format_cpu_list(set(machine) - computing))
 

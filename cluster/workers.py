@@ -12,6 +12,7 @@ from pathlib import Path
 from cluster.ports import free_port
 from cluster.process import ManagedProcess
 from cluster.shape import Engine
+from worker.vllm_plugin import BACKGROUND_ENV, SPIN_ENV
 
 ROLES = ("prefill", "decode", "both")
 CPU_ENGINE_SPIN_S = "0.01"
@@ -41,6 +42,9 @@ class WorkerSpec:
     for the tiny model here, ~45 s more to start)."""
     env: tuple[tuple[str, str], ...] = ()
     python: str = sys.executable
+    machine_cpus: str = ""
+    """Where an engine without cores of its own (unplaced: `ResizePool`, tests) computes when
+    the worker is started from a process kept to the serving cores; "": where it starts."""
 
     def save(self, path: Path | str) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=1))
@@ -73,6 +77,11 @@ class WorkerSpec:
         ]
         if role == "both":
             argv += ["--role", "both"]
+        bound = placement is not None and placement.cpu_bind != "nobind"
+        home = "" if placement is not None and placement.gpu else (
+            placement.cpu_bind if bound else self.machine_cpus)
+        if home:  # its engine's processes on its own cores, not the serving processes'
+            argv += ["--engine-cpus", home]
         if self.pool_store_client:
             argv += ["--pool-store-client", self.pool_store_client,
                      "--pool-store-client-segment", self.pool_store_client_segment]
@@ -84,7 +93,9 @@ class WorkerSpec:
             if placement.gpu:
                 env["CUDA_VISIBLE_DEVICES"] = placement.gpu
         if placement is None or not placement.busy_wait:  # unplaced: floats over every core
-            env["KVCLUSTER_ENGINE_SPIN_S"] = CPU_ENGINE_SPIN_S
+            env[SPIN_ENV] = CPU_ENGINE_SPIN_S
+        if placement is not None and placement.background:
+            env[BACKGROUND_ENV] = "1"
         env.update(dict(self.env))
         proc = ManagedProcess(instance_id, argv, Path(self.run_dir) / f"{instance_id}.log",
                               env=env)

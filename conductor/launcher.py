@@ -25,8 +25,9 @@ import structlog
 
 from cluster import shape
 from cluster.etcd_server import EtcdServer
+from cluster.instance import cpu_list, format_cpu_list
 from cluster.ports import free_port
-from cluster.process import ManagedProcess
+from cluster.process import ManagedProcess, children_on
 from cluster.shape import Shape
 from cluster.workers import WorkerSpec
 from store.master import StoreClientService, StoreMaster
@@ -117,10 +118,15 @@ class EmbeddedCluster:
     admin_token: str = ""
     _counter: dict[str, int] = field(default_factory=dict)
     _restarts: int = 0
+    _machine_cpus: str = field(init=False, default="")
+    """Where engines without cores of their own compute, when the serving processes are
+    kept to theirs (`WorkerSpec.machine_cpus`)."""
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.spec.run_dir or tempfile.mkdtemp(prefix="kvcluster-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self._serving_cpus():
+            self._machine_cpus = format_cpu_list(os.sched_getaffinity(0))
 
     @property
     def url(self) -> str:
@@ -149,29 +155,15 @@ class EmbeddedCluster:
                           pool_segment_bytes=s.pool_segment_bytes, lease_ttl=s.lease_ttl,
                           pool_store_client=sc.address if sc else "",
                           pool_store_client_segment=sc.segment_name if sc else "",
-                          enforce_eager=s.enforce_eager, env=s.worker_env)
+                          enforce_eager=s.enforce_eager, env=s.worker_env,
+                          machine_cpus=self._machine_cpus)
 
     # -------------------------------------------------------------- start / stop
 
     def start(self, wait: bool = True, timeout: float = 240.0) -> EmbeddedCluster:
-        s = self.spec
         try:
-            self.etcd = EtcdServer(client_port=s.etcd_port or None,
-                                   data_dir=self.run_dir / "etcd",
-                                   log_path=self.run_dir / "etcd.log").start()
-            self.master = StoreMaster(rpc_port=s.store_rpc_port or None,
-                                      http_port=s.store_metadata_port or None,
-                                      log_path=self.run_dir / "mooncake_master.log").start()
-            if s.pool_shm:  # the pool's memory: every worker's share, in one process
-                n = s.engines()
-                self.store_client = StoreClientService(
-                    self.master, segment=f"{max(n, 1) * s.pool_segment_bytes >> 20}MB",
-                    log_path=self.run_dir / "mooncake_client.log").start()
-            assert s.shape is not None
-            log.info("cluster_shape", shape=s.shape.describe())
-            for engine in s.shape.engines:
-                self.start_worker(engine.role, engine)
-            self.start_conductor()
+            with children_on(self._serving_cpus()):
+                self._start_children()
             if wait:
                 self.wait_ready(timeout)
         except BaseException:
@@ -179,12 +171,37 @@ class EmbeddedCluster:
             raise
         return self
 
+    def _serving_cpus(self) -> frozenset[int] | None:
+        """Where the serving processes run (`Shape.serving_cpus`), None: anywhere."""
+        assert self.spec.shape is not None
+        return cpu_list(self.spec.shape.serving_cpus) or None
+
+    def _start_children(self) -> None:
+        s = self.spec
+        self.etcd = EtcdServer(client_port=s.etcd_port or None,
+                               data_dir=self.run_dir / "etcd",
+                               log_path=self.run_dir / "etcd.log").start()
+        self.master = StoreMaster(rpc_port=s.store_rpc_port or None,
+                                  http_port=s.store_metadata_port or None,
+                                  log_path=self.run_dir / "mooncake_master.log").start()
+        if s.pool_shm:  # the pool's memory: every worker's share, in one process
+            n = s.engines()
+            self.store_client = StoreClientService(
+                self.master, segment=f"{max(n, 1) * s.pool_segment_bytes >> 20}MB",
+                log_path=self.run_dir / "mooncake_client.log").start()
+        assert s.shape is not None
+        log.info("cluster_shape", shape=s.shape.describe())
+        for engine in s.shape.engines:
+            self.start_worker(engine.role, engine)
+        self.start_conductor()
+
     def start_worker(self, role: str, engine: shape.Engine | None = None) -> WorkerProcess:
         """One worker; `engine`: its placement (cores, threads), else unbound."""
         n = self._counter.get(role, 0)
         self._counter[role] = n + 1
         instance_id = f"{role}-{n}"
-        proc, port = self.worker_spec().start(role, instance_id, placement=engine)
+        with children_on(self._serving_cpus()):
+            proc, port = self.worker_spec().start(role, instance_id, placement=engine)
         wp = WorkerProcess(instance_id, role, port, proc, engine)
         self.workers[instance_id] = wp
         log.info("worker_started", instance_id=instance_id, pid=proc.pid, port=port)

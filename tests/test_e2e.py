@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import os
 import random
 import time
 import uuid
 
 import grpc
 import httpx
+import psutil
 import pytest
 import torch
 from conftest import BLOCK_SIZE, DTYPE, LEASE_TTL, MAX_TOKENS, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster.instance import cpu_list
 from protos import worker_pb2, worker_pb2_grpc
 from store.block_hash import block_hashes, block_key
 from store.pool import MooncakePool, PoolConfig
@@ -231,6 +234,40 @@ def _pool_metric(cluster, name: str, **labels: str) -> float:
     return next((s.value for f in text_string_to_metric_families(text) for s in f.samples
                  if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())),
                 0.0)
+
+
+def _threads(pid: int, get) -> set:
+    """`get(tid)` of every thread of `pid`, as a set of distinct answers."""
+    return {frozenset(x) if isinstance(x, set) else x
+            for x in (get(int(t)) for t in os.listdir(f"/proc/{pid}/task"))}
+
+
+def test_engines_keep_to_their_cores_and_a_background_one_runs_at_sched_idle(cluster):
+    """`cluster.shape`: every engine's vLLM processes (engine core, model worker) on its own
+    cores, at SCHED_IDLE when it is a background engine (the prefill engine here, on 2 cores);
+    the worker's front end and the conductor on the serving cores at SCHED_OTHER."""
+    shape = cluster.spec.shape
+    serving = cpu_list(shape.serving_cpus) if shape.serving_cpus else None
+    for wp in cluster.workers.values():
+        front = psutil.Process(wp.process.pid)
+        engine = [p for p in front.children(recursive=True) if p.name().startswith("VLLM::")]
+        assert len(engine) >= 2, wp.instance_id  # its engine core and model worker
+        assert _threads(front.pid, os.sched_getscheduler) == {os.SCHED_OTHER}
+        if serving:
+            assert _threads(front.pid, os.sched_getaffinity) == {serving}, wp.instance_id
+        policy = os.SCHED_IDLE if wp.engine.background else os.SCHED_OTHER
+        own = cpu_list(wp.engine.cpu_bind)
+        for p in engine:
+            assert _threads(p.pid, os.sched_getscheduler) == {policy}, (wp.instance_id, p.name())
+            # the main thread: the engine core's loop, the model worker's forward passes
+            # (Mooncake's transfer threads in the model worker set their own affinity)
+            assert os.sched_getaffinity(p.pid) <= own, (wp.instance_id, p.name())
+    if serving:
+        assert _threads(cluster.conductor.pid, os.sched_getaffinity) == {serving}
+    if os.cpu_count() == 2:  # this machine: Mooncake's shape leaves no core to the serving
+        assert serving == {0}
+        assert [(wp.role, wp.engine.background) for wp in cluster.workers.values()
+                if wp.engine.background] == [("prefill", True)]
 
 
 def test_pool_counters_reach_the_conductors_metrics(cluster):

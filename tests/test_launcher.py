@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from conftest import wait_until
 
 from cluster.ports import free_port
@@ -126,3 +127,23 @@ def test_a_child_outlives_the_thread_that_started_it(tmp_path):
         assert box[0].alive(), f"killed with its starting thread: {box[0].returncode}"
     finally:
         box[0].kill()
+
+
+def test_children_started_on_cores_run_there_and_the_rest_where_the_parent_runs(tmp_path):
+    """`children_on`: a child forked inside it has those cores (and its threads and children
+    inherit them); the spawner thread gets its own back, so the next child does not."""
+    from cluster.process import ManagedProcess, children_on
+
+    mine = os.sched_getaffinity(0)
+    if len(mine) < 2:
+        pytest.skip("one core: nothing to tell apart")
+    first = frozenset([min(mine)])
+    with children_on(first):
+        pinned = ManagedProcess("pinned", ["sleep", "30"], tmp_path / "p.log").start()
+    free = ManagedProcess("free", ["sleep", "30"], tmp_path / "f.log").start()
+    try:
+        assert os.sched_getaffinity(pinned.pid) == first
+        assert os.sched_getaffinity(free.pid) == mine
+    finally:
+        pinned.kill()
+        free.kill()

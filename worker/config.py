@@ -8,6 +8,8 @@ import socket
 import uuid
 from dataclasses import dataclass, fields
 
+from cluster.instance import cpu_list
+
 ROLES = ("prefill", "decode", "both")
 KV_ROLE = {"prefill": "kv_both", "decode": "kv_both", "both": "kv_both"}
 """Every role loads the longest pooled prefix (a prefill instance pulls what another computed:
@@ -54,6 +56,10 @@ class WorkerConfig:
     dead worker out of routing within a second anyway; 5 s let starved workers' leases lapse
     under load (4 engines on 2 cores: every instance left and rejoined mid-benchmark)."""
     enforce_eager: bool = True
+    engine_cpus: str = ""
+    """The cores (a CPU list) the engine's processes (engine core, model worker) start on,
+    where this front end does not run: vLLM then binds its OpenMP threads by
+    `VLLM_CPU_OMP_THREADS_BIND` (`cluster.shape.Engine.home`). "": this process's cores."""
     kv_events: bool = True
     """Publish the engine's prefix-cache changes to the conductor (the `KvEvents` RPC)."""
 
@@ -71,6 +77,9 @@ class WorkerConfig:
             raise ValueError(f"lease_ttl must be at least 1 s, got {self.lease_ttl}")
         if bool(self.pool_store_client) != bool(self.pool_store_client_segment):
             raise ValueError("pool_store_client and pool_store_client_segment go together")
+        if self.engine_cpus and not cpu_list(self.engine_cpus) <= set(
+                range(os.cpu_count() or 1)):
+            raise ValueError(f"engine_cpus: no such cores here: {self.engine_cpus!r}")
         if not os.path.isdir(self.model):
             raise ValueError(f"model must be a local model directory: {self.model!r}")
         if not self.served_model_name:

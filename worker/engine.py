@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import structlog
 
+from cluster.instance import cpu_list
 from worker.config import WorkerConfig
 from worker.vllm_plugin import CPU_SEEDS_ENV
 
@@ -109,8 +111,9 @@ class Engine:
             args.kv_events_config = self.relay.events_config()
         from worker.telemetry import load_logger_factory
 
-        self._llm = AsyncLLM.from_engine_args(args,
-                                              stat_loggers=[load_logger_factory(self.load)])
+        with _forking_on(c.engine_cpus):
+            self._llm = AsyncLLM.from_engine_args(
+                args, stat_loggers=[load_logger_factory(self.load)])
         log.info("engine_started", model=c.model, role=c.role, namespace=self.namespace)
 
     @property
@@ -206,3 +209,20 @@ class Engine:
         if self.relay is not None:
             self.relay.stop()
             self.relay = None
+
+
+@contextlib.contextmanager
+def _forking_on(cpus: str) -> Iterator[None]:
+    """The engine's processes, forked inside, start on `cpus` (a child inherits its forking
+    thread's affinity); then every thread of this process gets its own cores back."""
+    if not cpus:
+        yield
+        return
+    own = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpu_list(cpus))
+    try:
+        yield
+    finally:
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                os.sched_setaffinity(int(tid), own)

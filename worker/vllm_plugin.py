@@ -15,6 +15,10 @@ the engine at start).
 
 `KVCLUSTER_CPU_SEEDS` (set by every CPU engine): seeded requests prefilled in chunks do not
 kill the engine (`_chunkable_cpu_seeds`).
+
+`KVCLUSTER_ENGINE_BACKGROUND` (set by the launcher for `cluster.shape.Engine.background`): the
+engine's processes (engine core, model worker), not the worker's front end that starts them,
+run at `SCHED_IDLE`, so that the serving processes on the same core preempt them at once.
 """
 
 from __future__ import annotations
@@ -23,16 +27,35 @@ import os
 
 CPU_SEEDS_ENV = "KVCLUSTER_CPU_SEEDS"
 """Set (by `worker.engine` on CPU): seeded requests get generators that survive chunking."""
+SPIN_ENV = "KVCLUSTER_ENGINE_SPIN_S"
+BACKGROUND_ENV = "KVCLUSTER_ENGINE_BACKGROUND"
 
 
 def register() -> None:
     _spin()
     if os.environ.get(CPU_SEEDS_ENV):
         _chunkable_cpu_seeds()
+    if os.environ.get(BACKGROUND_ENV):
+        _background()
+
+
+def _background() -> None:
+    """Every thread of this process to `SCHED_IDLE` (threads it starts later inherit it),
+    unless it is the worker's front end: the engine's processes are its multiprocessing
+    children. (One way: an unprivileged process cannot take it back.)"""
+    import multiprocessing
+
+    if multiprocessing.parent_process() is None or not hasattr(os, "SCHED_IDLE"):
+        return
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
+        except OSError:  # the thread ended meanwhile
+            pass
 
 
 def _spin() -> None:
-    spin = os.environ.get("KVCLUSTER_ENGINE_SPIN_S", "")
+    spin = os.environ.get(SPIN_ENV, "")
     if not spin:
         return
     from vllm.distributed.device_communicators import shm_broadcast
