@@ -77,9 +77,10 @@ class Shape:
     `--engine-cpus`). Left to themselves, an engine-core process floated to whichever core
     was free and spun there, and the serving processes floated onto the engines' cores:
     measured with `make bench-serve`, pd arm, the decode engine's compute thread waited for
-    its core 10.6% of the time, 2.7% with only its engine there; later token gaps 5.5-5.7 ms,
-    4.2-4.3 (3 repetitions each). The engine core on the serving core instead (its worker's
-    compute thread alone on the engine's core) was slower: 4.7-5.4 ms in `auto`, where the
+    its core 10.6% of the time (2.7% alone there, 10% beside its own engine core, which
+    yields to it); later token gaps 5.5-5.7 ms, 3.9-4.3 (3 repetitions each). The engine
+    core on the serving core instead (its worker's compute thread alone on the engine's
+    core) was slower: 4.7-5.4 ms in `auto`, where the
     serving core has nothing else to do; pd, with the background prefill there: TTFT 63-66
     ms against 36-51 (one run each)."""
 
