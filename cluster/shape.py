@@ -59,11 +59,13 @@ class Engine:
     background: bool = False
     """Whether its vLLM processes (engine core, model worker; not its front end) run at
     `SCHED_IDLE` (`worker/vllm_plugin.py`): set for prefill engines on cores the serving
-    processes share. At the same priority a prefill (30-50 ms of compute) holds up the
-    front ends, the conductor and the decode engine's own engine-core process, and every
-    token of the decode's streams waits; at `SCHED_IDLE` the kernel counts the core as idle
-    for them (measured with `make bench-serve`, pd arm: later token gaps 5.3-5.8 ms against
-    the plain server's 3.0-4.0; 4.0-4.6 in the background)."""
+    processes share. At the same priority a prefill (20-50 ms of compute) holds up the
+    front ends and the conductor, and every token of the decode's streams waits; at
+    `SCHED_IDLE` the kernel counts the core as idle for them. Measured with `make
+    bench-serve`, pd arm, with the serving processes on the prefill's core and the decode's
+    engine processes on its own: TPOT 5.0-5.2 ms, TTFT 32-48 ms; the prefill at normal
+    priority 5.9 and 39-52 (one run each). Alone (every process floating) it changed
+    nothing beyond the noise."""
 
 
 @dataclass(frozen=True)
@@ -80,9 +82,8 @@ class Shape:
     its core 10.6% of the time (2.7% alone there, 10% beside its own engine core, which
     yields to it); later token gaps 5.5-5.7 ms, 3.9-4.3 (3 repetitions each). The engine
     core on the serving core instead (its worker's compute thread alone on the engine's
-    core) was slower: 4.7-5.4 ms in `auto`, where the
-    serving core has nothing else to do; pd, with the background prefill there: TTFT 63-66
-    ms against 36-51 (one run each)."""
+    core) was slower: 4.7-5.4 ms in `auto`, where the serving core has nothing else to do;
+    pd, with the background prefill there: TTFT 63-66 ms against 36-51 (one run each)."""
 
     def count(self, role: str) -> int:
         return sum(e.role == role for e in self.engines)
