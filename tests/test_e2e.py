@@ -152,13 +152,14 @@ def _worker_stub(cluster, role: str) -> worker_pb2_grpc.WorkerStub:
 
 
 def _prefill_then_decode(cluster, request_id: str, prompt: list[int], between=None):
-    """Drive the two workers one after the other, with a hook between the halves (which
-    starts once the prefill's background saves are readable)."""
+    """Drive the two workers one after the other, the decode once the prefill's background
+    saves are readable (a prefill engine at SCHED_IDLE saves later than the test asks), with
+    a hook between the halves."""
     prefill, decode = _worker_stub(cluster, "prefill"), _worker_stub(cluster, "decode")
     reply = prefill.Prefill(worker_pb2.PrefillRequest(request_id=request_id, token_ids=prompt),
                             timeout=60)
+    _wait_pooled(cluster, prompt, reply.blocks_saved)
     if between is not None:
-        _wait_pooled(cluster, prompt, reply.blocks_saved)
         between()
     params = worker_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1,
                                        ignore_eos=True)
