@@ -28,6 +28,10 @@ class ConductorConfig:
     membership_prefix: str = "/kvcluster/instances/"
     prefill_timeout_s: float = 120.0
     """Deadline of one prefill RPC."""
+    pool_wait_margin_s: float = 0.5
+    """A decode started beside its prefill (`--disaggregate`) waits for the prefill's blocks up
+    to twice the predicted TTFT plus this (at most `prefill_timeout_s`), then computes what has
+    not arrived itself."""
     first_token_timeout_s: float = 120.0
     """Deadline for the decode worker's first chunk."""
     request_timeout_s: float = 600.0
@@ -96,7 +100,7 @@ class ConductorConfig:
                      "ttft_slo_s", "tbt_slo_s", "pool_gbps", "index_max_blocks",
                      "predicted_ttl_s", "health_interval_s", "breaker_cooldown_s",
                      "pool_sync_s", "stats_interval_s",
-                     "max_in_flight"):
+                     "max_in_flight", "pool_wait_margin_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.disaggregate not in DISAGGREGATE:

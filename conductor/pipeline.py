@@ -55,8 +55,6 @@ from store.block_hash import block_hashes
 
 log = structlog.get_logger(__name__)
 
-WAIT_MARGIN_S = 0.5
-"""A decode waits for a concurrent prefill's blocks up to twice its predicted TTFT plus this."""
 POOL_READY_TIMEOUT_S = 5.0
 
 
@@ -235,7 +233,7 @@ class Pipeline:
 
     def _wait_s(self, dispatch: Dispatch) -> float:
         predicted = dispatch.route.predicted_ttft_s
-        return min(2 * predicted + WAIT_MARGIN_S, self.config.prefill_timeout_s)
+        return min(2 * predicted + self.config.pool_wait_margin_s, self.config.prefill_timeout_s)
 
     def _count_failure(self, f: WorkerFailure, dispatch: Dispatch) -> None:
         """An instance failed (not the request): its breaker counts it, and what the request

@@ -248,8 +248,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def _hold(self, request: worker_pb2.GenerateRequest) -> Held:
         """A request whose prefill runs elsewhere (`PoolWait.hold`) stays out of the engine
-        until `PoolReady` or its `wait_s`; then the engine waits at most `SAVE_WAIT_S` for the
-        blocks still being saved (none, after a timeout: it computes what is missing)."""
+        until `PoolReady` or its `wait_s`; then the engine waits for the blocks still being
+        saved for what is left of `wait_s`, at least `SAVE_WAIT_S` (none, after a timeout: it
+        computes what is missing)."""
         wait = _pool_wait(request)
         if wait is None or not request.pool_wait.hold:
             return Held(wait, 0.0, None)
@@ -267,8 +268,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         finally:
             self._held.pop(rid, None)
         held = time.monotonic() - t0
-        return Held((blocks, SAVE_WAIT_S if ready.is_set() else 0.0), held,
-                    self._first.pop(rid, None))
+        # after `PoolReady` the blocks may still be on their way (the prefill engine saves in
+        # the background): the rest of the bound, and at least `SAVE_WAIT_S`, for them
+        save_wait = max(SAVE_WAIT_S, wait_s - held) if ready.is_set() else 0.0
+        return Held((blocks, save_wait), held, self._first.pop(rid, None))
 
     async def PoolReady(self, request: worker_pb2.PoolReadyRequest,
                         context: grpc.aio.ServicerContext) -> worker_pb2.PoolReadyReply:
