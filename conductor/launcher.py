@@ -9,6 +9,7 @@ user run one code path.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import secrets
@@ -101,6 +102,12 @@ class WorkerProcess:
 
     @property
     def address(self) -> str:
+        """Where the worker listens: what its `READY` line says (`worker.main`: another
+        process may have taken the port it was given), else that port."""
+        with contextlib.suppress(OSError):
+            for line in reversed(self.process.log_path.read_text(errors="replace").splitlines()):
+                if line.startswith(f"READY {self.instance_id} "):
+                    return line.split()[2]
         return f"127.0.0.1:{self.port}"
 
 

@@ -38,7 +38,7 @@ async def serve(config: WorkerConfig) -> bool:
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = _bind(server, config.host, config.port)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("kvcluster.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
@@ -78,6 +78,22 @@ async def serve(config: WorkerConfig) -> bool:
     engine.shutdown()
     log.info("worker_stopped", instance_id=config.instance_id)
     return dead is None
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Listen on `port`, or on one the kernel picks when another process took it while the
+    engine loaded (a launcher picks the port free ~40 s before the worker binds it): the
+    worker registers and prints (`READY`) the port it got, so nothing is lost."""
+    try:
+        got = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpcio raises where older releases returned 0
+        got = 0
+    if got == 0 and port != 0:
+        log.warning("port_taken", port=port)
+        got = server.add_insecure_port(f"{host}:0")
+    if got == 0:
+        raise RuntimeError(f"cannot listen on {host}")
+    return got
 
 
 async def _until_stopped_or_dead(stop: asyncio.Event, engine: Engine) -> BaseException | None:
