@@ -340,6 +340,7 @@ class Pipeline:
             # lease lapsed while the prefill ran); new calls are refused, calls in flight go on
             raise left(iid, "decode") from None
         unfinished = set(range(prep.params.n or 1))
+        ended = False
         held: list[worker_pb2.TokenLogprobs] = []  # prompt logprobs of steps without output
         read = asyncio.ensure_future(call.read())
         try:
@@ -376,6 +377,9 @@ class Pipeline:
                     held = []
                 else:
                     held += chunk.prompt_logprobs
+                if not unfinished and timed:  # the worker's last chunk: the answer is whole
+                    ended = True
+                    break
                 chunk = await call.read()
             if unfinished:
                 raise WorkerFailure(iid, grpc.StatusCode.UNKNOWN, UpstreamFailed(
@@ -389,7 +393,10 @@ class Pipeline:
         finally:
             if not read.done():
                 read.cancel()
-            call.cancel()
+            if ended:
+                _close_later(call)
+            else:
+                call.cancel()
 
     async def _first_chunk(self, read: asyncio.Future, prefill: asyncio.Task | None,
                            iid: str, first: asyncio.Future | None = None
@@ -459,6 +466,27 @@ class Pipeline:
             outcome.warmed.append(inst.instance_id)
         outcome.blocks_saved = saved
         return outcome
+
+
+_CLOSING: set[asyncio.Task] = set()
+CLOSE_WAIT_S = 5.0
+"""How long a decode call whose every choice finished may take to end on its own."""
+
+
+def _close_later(call: grpc.aio.UnaryStreamCall) -> None:
+    """The decode's stream after its last chunk: its end (the worker's status, ~1 ms later on
+    two busy cores) is not waited for by the answer, but by a task that keeps the call alive
+    until then (a call collected unfinished is cancelled, and the worker would count an
+    abort) and cancels it after `CLOSE_WAIT_S`."""
+    async def close() -> None:
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(CLOSE_WAIT_S):
+                await call.code()
+        call.cancel()
+
+    task = asyncio.get_running_loop().create_task(close())
+    _CLOSING.add(task)
+    task.add_done_callback(_CLOSING.discard)
 
 
 async def _settle(task: asyncio.Task) -> None:

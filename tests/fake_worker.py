@@ -46,6 +46,8 @@ class Knobs:
     """Report `EngineTimes` as a real worker does (queued, scheduled, first token, held)."""
     decode_gate: threading.Event | None = None
     """When set, a decode produces no token until the gate opens (after its hold)."""
+    end_gate: threading.Event | None = None
+    """When set, a decode's stream stays open after its last chunk until the gate opens."""
     first_token_shift: int = 0
     """Added to the token id the first Prefill returns as the first token: the decode's
     differs, as a real decode's does when it was released without it (its hold timed out)."""
@@ -157,6 +159,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                         chunk.times.CopyFrom(times)
                     yield chunk
                     sent += 1
+            gate = self.knobs.end_gate
+            while gate is not None and not gate.is_set():
+                await asyncio.sleep(0.005)
         except asyncio.CancelledError:
             self.counts.aborted += 1
             raise

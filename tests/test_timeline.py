@@ -108,3 +108,24 @@ def test_a_decode_caching_the_prompt_is_not_held_for_the_prefill_beside_it(model
         assert decode.counts.prefills == 0 and c.worker("prefill").counts.prefills == 2
         assert decode.counts.pool_ready == 1
         assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+
+
+def test_the_answer_does_not_wait_for_the_decode_stream_to_end(model_dir):
+    """The worker's last chunk (every choice finished, its engine times) completes the answer;
+    the stream's end comes later and is still waited for, not cancelled (no abort)."""
+    import threading
+
+    from conftest import wait_until
+
+    end = threading.Event()
+    with LocalConductor(model_dir, knobs=Knobs(engine_times=True, end_gate=end),
+                        conductor_args=("--disaggregate", "never")) as c:
+        decode = c.worker("decode")
+        r = httpx.post(f"{c.url}/v1/completions", timeout=30,
+                       json={"prompt": "word " * 8, "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 3
+        assert decode.counts.running == 1  # its stream is still open
+        end.set()
+        wait_until(lambda: decode.counts.running == 0)
+        assert decode.counts.aborted == 0
