@@ -62,7 +62,8 @@ def _workloads(args: argparse.Namespace, vocab: workloads.Vocab) -> list[workloa
 
 
 def _overhead_ms(run: systems.Running, pairs: int = 40) -> float:
-    """Median latency of a 1-token request through the system minus straight to an engine."""
+    """Median latency of a 1-token request through the system minus straight to an engine
+    (the one that served it, where the system says)."""
     import httpx
 
     if run.direct is None:
@@ -72,11 +73,12 @@ def _overhead_ms(run: systems.Running, pairs: int = 40) -> float:
     with httpx.Client(timeout=60) as c:
         for i in range(pairs + 3):
             t0 = time.perf_counter()
-            c.post(f"{run.url}/v1/completions", json={
+            r = c.post(f"{run.url}/v1/completions", json={
                 "model": run.model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
-            }).raise_for_status()
+            })
             t = time.perf_counter() - t0
-            d = run.direct(prompt)
+            r.raise_for_status()
+            d = run.direct(prompt, r.headers.get("x-request-id"))
             if i >= 3:  # the first pairs warm both paths' caches
                 through.append(t)
                 direct.append(d)
