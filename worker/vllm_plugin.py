@@ -18,7 +18,10 @@ kill the engine (`_chunkable_cpu_seeds`).
 
 `KVCLUSTER_ENGINE_BACKGROUND` (set by the launcher for `cluster.shape.Engine.background`): the
 engine's processes (engine core, model worker), not the worker's front end that starts them,
-run at `SCHED_IDLE`, so that the serving processes on the same core preempt them at once.
+run at `SCHED_IDLE`, so that the serving processes on the same core preempt them at once; the
+connector's I/O threads (its pool client's transfer threads, which serve the other engines'
+reads of this engine's segment, the saver, the loader) at normal priority
+(`store.connector.background.unpinned`).
 """
 
 from __future__ import annotations
