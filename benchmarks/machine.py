@@ -54,7 +54,11 @@ class StallWatch:
 
         last = time.monotonic()
         self._watching.set()
-        while not self._stop.wait(self.tick_s):
+        stopped = False
+        while not stopped:
+            # the last wake-up is measured too: a stall that ends with the watch (the caller
+            # resumed first and stopped it) counts (a test froze the process and saw none)
+            stopped = self._stop.wait(self.tick_s)
             now = time.monotonic()
             if now - last - self.tick_s > self.min_gap_s:
                 self.stalls.append(round(now - last - self.tick_s, 3))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -18,7 +19,6 @@ import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster.instance import InstanceInfo
-from cluster.ports import free_port
 from protos import worker_pb2, worker_pb2_grpc
 
 
@@ -245,7 +245,11 @@ class LocalConductor:
         self.conductor_args = conductor_args
         self.workers: dict[str, FakeWorker] = {}
         self.addresses: dict[str, str] = {}
-        self.port = free_port()
+        # bound here and handed to uvicorn: a port only chosen here can be taken by another
+        # process's connection before the server binds it (a clean-clone CI run: EADDRINUSE)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
         self._thread: threading.Thread | None = None
         self._server: uvicorn.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -276,6 +280,7 @@ class LocalConductor:
         self._loop.call_soon_threadsafe(self._stop.set)
         assert self._thread is not None
         self._thread.join(timeout=15)
+        self._sock.close()
 
     def _run(self) -> None:
         try:
@@ -316,7 +321,7 @@ class LocalConductor:
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
                                                      loop="asyncio", log_level="warning",
                                                      lifespan="on"))
-        serving = asyncio.ensure_future(self._server.serve())
+        serving = asyncio.ensure_future(self._server.serve(sockets=[self._sock]))
         await self._stop.wait()
         await serving
         for server in servers:
