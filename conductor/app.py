@@ -10,7 +10,6 @@ their engine requests on both instances.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -26,6 +25,7 @@ from starlette.types import Receive, Scope, Send
 from cluster.instance import InstanceInfo
 from cluster.membership import MembershipWatcher
 from cluster.workers import WorkerSpec
+from conductor import body as request_body
 from conductor import openapi
 from conductor.admin import AdminServer
 from conductor.auth import ApiKeyMiddleware
@@ -34,7 +34,6 @@ from conductor.config import ConductorConfig
 from conductor.deltas import Delta
 from conductor.errors import (
     ConductorError,
-    InvalidRequest,
     ModelNotFound,
     Overloaded,
     error_body,
@@ -174,7 +173,8 @@ class Conductor:
             raise
 
     async def _serve(self, request: Request, chat: bool, timer: RequestTimer) -> Response:
-        body = _json_body(await request.body())
+        body = request_body.decode(await request_body.read(request,
+                                                           self.config.max_body_bytes))
         req: GenerationRequest = parse_chat(body) if chat else parse_completion(body)
         if req.model and req.model != self.config.served_model_name:
             raise ModelNotFound(f"The model `{req.model}` does not exist. Valid aliases: "
@@ -314,13 +314,6 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 async def _disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
-
-
-def _json_body(raw: bytes) -> object:
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InvalidRequest(f"Invalid JSON body: {e}") from None
 
 
 def create_app(config: ConductorConfig,

@@ -76,6 +76,9 @@ class ConductorConfig:
     not routed to for this long, then tried again."""
     max_in_flight: int = 1024
     """Requests the conductor holds at once; beyond it new ones get 429 at once."""
+    max_body_bytes: int = 16 << 20
+    """A request body larger than this gets 413 unread (a prompt fills the context with
+    far less)."""
     health_interval_s: float = 1.0
     """Each instance's gRPC health service is checked this often; one that does not answer
     SERVING within the interval is taken out of routing until it does."""
@@ -100,7 +103,7 @@ class ConductorConfig:
                      "ttft_slo_s", "tbt_slo_s", "pool_gbps", "index_max_blocks",
                      "predicted_ttl_s", "health_interval_s", "breaker_cooldown_s",
                      "pool_sync_s", "stats_interval_s",
-                     "max_in_flight", "pool_wait_margin_s"):
+                     "max_in_flight", "max_body_bytes", "pool_wait_margin_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.disaggregate not in DISAGGREGATE:

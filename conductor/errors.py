@@ -30,6 +30,10 @@ class InvalidRequest(ConductorError):
     type = "BadRequestError"
 
 
+class PayloadTooLarge(ConductorError):
+    type = "RequestEntityTooLargeError"
+
+
 class Unauthorized(ConductorError):
     type = "AuthenticationError"
 
@@ -69,6 +73,7 @@ class Mapping:
 ERROR_TABLE: dict[type[ConductorError], Mapping] = {
     InvalidRequest: Mapping(400, grpc.StatusCode.INVALID_ARGUMENT),
     Unauthorized: Mapping(401, grpc.StatusCode.UNAUTHENTICATED),
+    PayloadTooLarge: Mapping(413, grpc.StatusCode.INVALID_ARGUMENT),
     ModelNotFound: Mapping(404, grpc.StatusCode.NOT_FOUND),
     Overloaded: Mapping(429, grpc.StatusCode.RESOURCE_EXHAUSTED),
     UpstreamFailed: Mapping(502, grpc.StatusCode.UNAVAILABLE),

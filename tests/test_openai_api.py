@@ -202,6 +202,48 @@ def test_unknown_model_is_404_and_bad_json_is_400(client, local):
     assert r.status_code == 404 and r.json()["error"]["code"] == 404
 
 
+@pytest.mark.parametrize("body", [
+    b'{"prompt": "a \\ud800 b", "max_tokens": 1}',   # lone surrogate, prompt
+    b'{"messages": [{"role": "user", "content": "\\udfff"}]}',  # chat content
+    b'{"prompt": "x", "cache_salt": "\\ud83d"}',      # a salt
+    b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",  # nested past the decoder
+], ids=["prompt", "chat", "salt", "nested"])
+def test_text_no_encoder_takes_and_deep_nesting_are_400_not_500(local, body):
+    path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+    before = local.worker("decode").counts.generates
+    r = httpx.post(f"{local.url}{path}", content=body, timeout=10,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "BadRequestError" and r.json()["error"]["code"] == 400
+    assert local.worker("decode").counts.generates == before  # nothing reached a worker
+
+
+def test_a_surrogate_pair_is_text(local, model):
+    """An escaped pair is one astral character, not a lone surrogate."""
+    r = httpx.post(f"{local.url}/v1/completions", timeout=10,
+                   content=b'{"model": "%s", "prompt": "smile \\ud83d\\ude00", "max_tokens": 1}'
+                   % model.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+
+
+def test_a_body_over_the_limit_is_413_unread(model_dir):
+    with LocalConductor(model_dir, conductor_args=("--max-body-bytes", "4096")) as c:
+        big = b'{"prompt": "' + b"x" * 5000 + b'"}'
+        r = httpx.post(f"{c.url}/v1/completions", content=big,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == 413, r.text
+
+        def chunks():  # no Content-Length: counted as it arrives
+            for _ in range(10):
+                yield b" " * 1000
+        r = httpx.post(f"{c.url}/v1/completions", content=chunks(),
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 413, r.text
+        assert c.worker("decode").counts.generates == 0
+        ok = httpx.post(f"{c.url}/v1/completions", json={"prompt": "hello", "max_tokens": 1})
+        assert ok.status_code == 200, ok.text
+
+
 # ---------------------------------------------------------------- failures
 
 

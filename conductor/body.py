@@ -1,0 +1,65 @@
+"""A request body, read and decoded: at most `limit` bytes (413 beyond, without reading the
+rest), valid JSON nested no deeper than the decoder can follow, and text that can be encoded
+(400 otherwise). Each of these was a 500, or a 60 MiB body read and parsed in full."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from starlette.requests import Request
+
+from conductor.errors import InvalidRequest, PayloadTooLarge
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+"""A JSON escape of a UTF-16 surrogate: only bodies holding one can decode to a lone one."""
+
+
+async def read(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:  # chunked, or a Content-Length that lied
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def decode(raw: bytes) -> object:
+    try:
+        body = json.loads(raw)
+        if _SURROGATE_ESCAPE.search(raw):
+            _check_text(body, "")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"Invalid JSON body: {e}") from None
+    except RecursionError:
+        raise InvalidRequest("Invalid JSON body: nested too deeply") from None
+    return body
+
+
+def _check_text(value: Any, where: str) -> None:
+    """Raise for the first string (key or value) holding a lone surrogate: no tokenizer,
+    template or response encoder takes one."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequest(f"{where or 'body'}: a lone UTF-16 surrogate is not text",
+                                 param=where or None) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_text(k, where)
+            _check_text(v, f"{where}.{k}" if where else k)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_text(v, f"{where}[{i}]")
+
+
+def _too_large(limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"The request body exceeds {limit} bytes (--max-body-bytes)",
+                           code="body_too_large")
