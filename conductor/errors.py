@@ -73,8 +73,8 @@ class Mapping:
 ERROR_TABLE: dict[type[ConductorError], Mapping] = {
     InvalidRequest: Mapping(400, grpc.StatusCode.INVALID_ARGUMENT),
     Unauthorized: Mapping(401, grpc.StatusCode.UNAUTHENTICATED),
-    PayloadTooLarge: Mapping(413, grpc.StatusCode.INVALID_ARGUMENT),
     ModelNotFound: Mapping(404, grpc.StatusCode.NOT_FOUND),
+    PayloadTooLarge: Mapping(413, grpc.StatusCode.INVALID_ARGUMENT),
     Overloaded: Mapping(429, grpc.StatusCode.RESOURCE_EXHAUSTED),
     UpstreamFailed: Mapping(502, grpc.StatusCode.UNAVAILABLE),
     NoCapacity: Mapping(503, grpc.StatusCode.UNAVAILABLE),

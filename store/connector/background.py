@@ -59,7 +59,7 @@ def _normal_priority() -> Iterator[None]:
 
 
 def start(target: Callable[[], None], name: str) -> threading.Thread:
-    """A daemon thread running `target`, free to run on any core (`unpinned`)."""
+    """A daemon thread running `target` on any core, at normal priority (`unpinned`)."""
     with unpinned():
         thread = threading.Thread(target=target, name=name, daemon=True)
         thread.start()
