@@ -32,6 +32,7 @@ class InstanceInfo:
     cpus: str = ""  # the cores its engine computes on, as a Linux CPU list ("0-3,8"); "": unknown
     threads: int = 0  # its engine's compute threads (CPU); 0: unknown
     gpus: str = ""  # the accelerators it computes on ("0,1"); "": none
+    max_model_len: int = 0  # its engine's context, in tokens; 0: unknown (the model's own)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -44,7 +45,7 @@ class InstanceInfo:
         host, sep, port = self.address.rpartition(":")
         if not (sep and host and port.isdigit()):
             raise ValueError(f"address must be host:port, not {self.address!r}")
-        for name in ("block_size", "capacity_tokens", "threads"):
+        for name in ("block_size", "capacity_tokens", "threads", "max_model_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{name} must be an int, not {value!r}")

@@ -103,14 +103,18 @@ class Conductor:
         """Requests being answered (a stream counts until its generator ends)."""
 
     async def _on_members(self, members: dict) -> None:
+        self._sync(members)
+
+    def _sync(self, members: dict[str, InstanceInfo]) -> None:
         self.registry.sync(members)
+        self.tokenizer.serve_within([m.max_model_len for m in members.values()])
 
     async def start(self) -> None:
         self.health = HealthChecker(self.registry, self.config.health_interval_s)
         self.pool_stats = PoolStatsPoller(self.registry, self.config.stats_interval_s)
         self.pipeline.router.transfer_s_per_block = self.pool_stats.seconds_per_block
         await self.watcher.start()
-        self.registry.sync(self.watcher.members())
+        self._sync(self.watcher.members())
         if self.config.pool_keys_url:
             self.pool_sync = PoolSync(
                 self.pipeline.router.index, self.config.pool_keys_url,

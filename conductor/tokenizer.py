@@ -18,7 +18,10 @@ class Tokenizer:
         self._fast = self._tok.backend_tokenizer if getattr(self._tok, "is_fast", False) else None
         self.vocab_size = len(self._tok)
         cfg = json.loads(Path(model_dir, "config.json").read_text())
-        self.max_model_len = max_model_len or int(cfg.get("max_position_embeddings", 2048))
+        self.model_max_len = max_model_len or int(cfg.get("max_position_embeddings", 2048))
+        self.max_model_len = self.model_max_len
+        """The context requests are checked against: the smallest the workers announce
+        (`serve_within`), else the model's own."""
         self.max_chars_per_token = max((len(t) for t in self._tok.get_vocab()), default=1)
 
     @property
@@ -73,6 +76,11 @@ class Tokenizer:
                 "output tokens. Please reduce the length of the input prompt.",
                 param="input_tokens")
         return ids
+
+    def serve_within(self, engine_lens: list[int]) -> None:
+        """The engines' contexts (0: unknown): a request must fit any engine it may reach."""
+        known = [n for n in engine_lens if n > 0]
+        self.max_model_len = min(known) if known else self.model_max_len
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)

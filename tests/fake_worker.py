@@ -238,8 +238,11 @@ class LocalConductor:
     """The conductor app with fake workers (`roles`), in a thread of its own."""
 
     def __init__(self, model_dir: str, roles: tuple[str, ...] = ("prefill", "decode"),
-                 knobs: Knobs | None = None, conductor_args: tuple[str, ...] = ()) -> None:
+                 knobs: Knobs | None = None, conductor_args: tuple[str, ...] = (),
+                 max_model_len: int = 0) -> None:
         self.model_dir = model_dir
+        self.max_model_len = max_model_len
+        """What the fake workers announce as their engines' context (0: unknown)."""
         self.roles = roles
         self.knobs = knobs or Knobs()
         self.conductor_args = conductor_args
@@ -312,7 +315,7 @@ class LocalConductor:
             self.addresses[iid] = f"127.0.0.1:{port}"
             members[iid] = InstanceInfo(instance_id=iid, role=role, address=f"127.0.0.1:{port}",
                                         model="fake", block_size=32, capacity_tokens=1 << 20,
-                                        version="test")
+                                        version="test", max_model_len=self.max_model_len)
         config = parse_args(["--model", self.model_dir, "--etcd", "127.0.0.1:1",
                              "--port", str(self.port), "--kv-events", "false",
                              *self.conductor_args])

@@ -244,6 +244,23 @@ def test_a_body_over_the_limit_is_413_unread(model_dir):
         assert ok.status_code == 200, ok.text
 
 
+def test_the_context_is_the_workers_not_the_models(model_dir, tokenizer):
+    """Workers started with a shorter `--max-model-len` than the model's config: the conductor
+    checks prompts and clamps `max_tokens` against what they announce."""
+    with LocalConductor(model_dir, max_model_len=64) as c:
+        models = httpx.get(f"{c.url}/v1/models").json()["data"]
+        assert models[0]["max_model_len"] == 64
+        prompt = " ".join(["word"] * 200)
+        assert len(tokenizer.encode_text(prompt, True)) > 64
+        r = httpx.post(f"{c.url}/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+        assert r.status_code == 400 and "maximum context length is 64" in r.text, r.text
+        assert c.worker("decode").counts.generates == 0
+        short = tokenizer.encode_text("hello world", True)
+        r = httpx.post(f"{c.url}/v1/completions", json={"prompt": "hello world", "max_tokens": 60})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 64 - len(short)  # clamped to fit
+
+
 # ---------------------------------------------------------------- failures
 
 

@@ -53,6 +53,7 @@ async def serve(config: WorkerConfig) -> bool:
         version=VERSION,
         started_at=time.time(),
         kv_namespace=engine.namespace,
+        max_model_len=config.max_model_len,
         **placement(config.device),
     )
     registration = Registration(config.etcd, info, ttl=max(2, round(config.lease_ttl)))
