@@ -261,6 +261,30 @@ def test_the_context_is_the_workers_not_the_models(model_dir, tokenizer):
         assert r.json()["usage"]["completion_tokens"] == 64 - len(short)  # clamped to fit
 
 
+def test_a_large_body_is_tokenized_off_the_event_loop(local, model):
+    """The loop carries every stream's tokens: a large prompt's tokenizing runs in a thread of
+    its own; a small one's stays on the loop (a thread hop would cost every request)."""
+    import threading
+
+    tok = local.app.state.conductor.tokenizer
+    seen: list[int] = []
+    encode = tok.encode_text
+
+    def recording(text: str, add_special_tokens: bool) -> list[int]:
+        seen.append(threading.get_ident())
+        return encode(text, add_special_tokens)
+
+    tok.encode_text = recording
+    try:
+        for user in ("", "u" * (20 << 10)):  # bodies of ~100 B and ~20 KiB (threshold 16 KiB)
+            r = httpx.post(f"{local.url}/v1/completions", timeout=10, json={
+                "model": model, "prompt": "hi there", "max_tokens": 1, "user": user})
+            assert r.status_code == 200, r.text
+    finally:
+        del tok.encode_text
+    assert seen[0] == local._thread.ident and seen[1] != local._thread.ident, seen
+
+
 # ---------------------------------------------------------------- failures
 
 
