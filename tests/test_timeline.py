@@ -7,6 +7,7 @@ import re
 
 import httpx
 import pytest
+from conftest import wait_until
 from fake_worker import Knobs, LocalConductor
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -62,6 +63,8 @@ def test_a_request_exports_its_spans_under_the_callers_trace(traced):
                    headers={"traceparent": f"00-{trace_id}-{parent}-01"},
                    json={"prompt": "word " * 80, "max_tokens": 3})
     assert r.status_code == 200, r.text
+    # exported once the answer is out
+    wait_until(lambda: any(s.name == "request" for s in exporter.get_finished_spans()))
     spans = {s.name: s for s in exporter.get_finished_spans()}
     assert {"request", "parse", "route", "prefill", "decode", "engine.queue",
             "engine.compute", "kv.hold"} <= set(spans)
