@@ -61,28 +61,42 @@ def _workloads(args: argparse.Namespace, vocab: workloads.Vocab) -> list[workloa
     ]
 
 
-def _overhead_ms(run: systems.Running, pairs: int = 40) -> float:
-    """Median latency of a 1-token request through the system minus straight to an engine
-    (the one that served it, where the system says)."""
+def _overhead_ms(run: systems.Running, pairs: int = 100) -> dict[str, float]:
+    """Latency of a 1-token request through the system minus straight to an engine (the one
+    that served it, where the system says), the median over pairs sent back to back (the
+    machine's speed drifts between pairs by more than the hop costs): `ms` with a lean client
+    (`systems.LeanHttp`, whose own cost is close to the direct gRPC call's), and `httpx_ms`
+    with httpx through the system (the figure before 2026-11-25: it charged httpx's own
+    ~0.5-1.5 ms to the conductor and not to vllm-router, measured with httpx both ways)."""
     import httpx
 
     if run.direct is None:
-        return float("nan")
+        return {}
     prompt = "The quick brown fox jumps over the lazy dog. " * 4
-    through, direct = [], []
-    with httpx.Client(timeout=60) as c:
-        for i in range(pairs + 3):
-            t0 = time.perf_counter()
-            r = c.post(f"{run.url}/v1/completions", json={
-                "model": run.model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
-            })
-            t = time.perf_counter() - t0
-            r.raise_for_status()
-            d = run.direct(prompt, r.headers.get("x-request-id"))
-            if i >= 3:  # the first pairs warm both paths' caches
-                through.append(t)
-                direct.append(d)
-    return (statistics.median(through) - statistics.median(direct)) * 1e3
+    body = {"model": run.model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    lean, heavy, direct = [], [], []
+    http = systems.LeanHttp(run.url)
+    try:
+        with httpx.Client(timeout=60) as c:
+            for i in range(pairs + 3):
+                t, request_id = http.post("/v1/completions", body)
+                t0 = time.perf_counter()
+                c.post(f"{run.url}/v1/completions", json=body).raise_for_status()
+                h = time.perf_counter() - t0
+                d = run.direct(prompt, request_id)
+                if i >= 3:  # the first rounds warm every path's caches
+                    lean.append(t)
+                    heavy.append(h)
+                    direct.append(d)
+    finally:
+        http.close()
+
+    def paired(through: list[float]) -> float:
+        return statistics.median(t - d for t, d in zip(through, direct, strict=True)) * 1e3
+
+    return {"ms": paired(lean), "httpx_ms": paired(heavy),
+            "unpaired_ms": (statistics.median(lean) - statistics.median(direct)) * 1e3,
+            "direct_ms": statistics.median(direct) * 1e3}
 
 
 def _prewarm(run: systems.Running, tok, vocab: workloads.Vocab, ns: tuple[int, ...],
@@ -181,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
 
     records: list[report.RequestRecord] = []
     summaries: dict[tuple[str, str], report.Summary] = {}
-    overhead: dict[str, float] = {}
+    overhead: dict[str, dict[str, float]] = {}
     prewarm_rows: list[dict] = []
     total = len(args.systems.split(",")) * sum(len(w.requests) for w in wls)
     bar = tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
@@ -194,8 +208,9 @@ def main(argv: list[str] | None = None) -> int:
             _warm_up(run)
             if run.direct is not None:  # on the idle system: what the hop itself adds
                 bar.set_description(f"{name}: overhead")
-                overhead[name] = _overhead_ms(run)
-                tqdm.write(f"{name}: added latency {overhead[name]:.2f} ms")
+                o = overhead[name] = _overhead_ms(run)
+                tqdm.write(f"{name}: added latency {o['ms']:.2f} ms ({o['httpx_ms']:.2f} ms "
+                           f"with httpx through it; direct {o['direct_ms']:.1f} ms)")
             for w in wls:
                 bar.set_description(f"{name}/{w.name}")
                 recs, wall = asyncio.run(client.run(run.url, run.model, name, w.name, w.requests,
@@ -237,8 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         report.plot_cdf([r for r in records if r.workload == w.name],
                         out / f"ttft_cdf_{w.name}.png", TTFT_SLO_S)
     print(table)
-    print(report.summary_line(summaries, overhead_ms=overhead.get("kv_centric", float("nan")),
-                              router_overhead_ms=overhead.get("vllm_router", float("nan"))),
+    nan = {"ms": float("nan")}
+    print(report.summary_line(summaries, overhead_ms=overhead.get("kv_centric", nan)["ms"],
+                              router_overhead_ms=overhead.get("vllm_router", nan)["ms"]),
           flush=True)
     return 0
 

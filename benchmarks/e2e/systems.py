@@ -16,6 +16,7 @@ added-latency probe, a way to send a 1-token request straight to one of its engi
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import sys
@@ -233,15 +234,39 @@ def _stop_all(procs: list[ManagedProcess], master: StoreMaster | None = None,
         master.stop()
 
 
+class LeanHttp:
+    """One keep-alive HTTP/1.1 connection (the standard library's `http.client`), for latency
+    probes: its own cost is close to the gRPC client's the direct calls use. httpx spent
+    0.4-0.6 ms more per request against a do-nothing server, and 1.1-1.5 ms more through the
+    conductor with engines on both cores: a cost of the client, not of what it measures."""
+
+    def __init__(self, url: str) -> None:
+        host, _, port = url.split("://", 1)[1].rstrip("/").partition(":")
+        self._conn = http.client.HTTPConnection(host, int(port or 80), timeout=60)
+
+    def post(self, path: str, body: dict) -> tuple[float, str | None]:
+        """Seconds to the whole answer, and its X-Request-Id; raises on a status other than
+        200."""
+        data = json.dumps(body).encode()
+        t0 = time.perf_counter()
+        self._conn.request("POST", path, data, {"Content-Type": "application/json"})
+        r = self._conn.getresponse()
+        payload = r.read()
+        t = time.perf_counter() - t0
+        if r.status != 200:
+            raise RuntimeError(f"POST {path}: {r.status} {payload[:200]!r}")
+        return t, r.getheader("x-request-id")
+
+    def close(self) -> None:
+        self._conn.close()
+
+
 def _http_direct(url: str, model: str) -> Callable[[str, str | None], float]:
-    client = httpx.Client(timeout=60)
+    client = LeanHttp(url)
 
     def direct(prompt: str, _through_id: str | None) -> float:
-        t0 = time.perf_counter()
-        r = client.post(f"{url}/v1/completions", json={
-            "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0})
-        r.raise_for_status()
-        return time.perf_counter() - t0
+        return client.post("/v1/completions", {
+            "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0})[0]
     return direct
 
 
