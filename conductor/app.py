@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Protocol, TypeVar
@@ -54,6 +53,7 @@ from conductor.protocol import (
 )
 from conductor.provision import Provisioner
 from conductor.registry import Registry
+from conductor.request_ids import RequestIds, client_request_id
 from conductor.response import ResponseSpec, collect, stream
 from conductor.sampling import ModelDefaults, sampling
 from conductor.scheduler.pool_sync import PoolSync
@@ -185,20 +185,21 @@ class Conductor:
         args = (raw, chat, request.headers.get("x-request-id"))
         # A large body's decoding, templating and tokenizing (0.7 ms per 500 tokens) in a
         # thread: the loop, which carries every other stream's tokens, runs meanwhile.
-        req, request_id, spec, token_ids, params = (
+        req, ids, spec, token_ids, params = (
             await asyncio.to_thread(self._understand, *args) if len(raw) > OFFLOAD_BYTES
             else self._understand(*args))
-        structlog.contextvars.bind_contextvars(request_id=request_id)
+        request_id = ids.internal
+        structlog.contextvars.bind_contextvars(**ids.log())
         prep = self.pipeline.prepare(
             request_id, token_ids, params, req.cache_salt or "",
             ttft_slo_s=req.ttft_slo_ms / 1000 if req.ttft_slo_ms is not None else None,
             tbt_slo_s=req.tbt_slo_ms / 1000 if req.tbt_slo_ms is not None else None)
         timer.timeline.mark("prepared")
-        timer.timeline.attrs.update(request_id=request_id, prompt_tokens=len(token_ids),
+        timer.timeline.attrs.update(**ids.log(), prompt_tokens=len(token_ids),
                                     stream=bool(req.stream))
         outcome = Outcome(timeline=timer.timeline)
         deltas = self.pipeline.run(prep, outcome)
-        headers = {"X-Request-Id": request_id}
+        headers = {"X-Request-Id": ids.public}
         # Until the response starts, a disconnect is only noticed by listening for it.
         if not req.stream:
             timer.hold()  # its timeline is sunk once the answer is out (0.3 ms sooner)
@@ -222,17 +223,17 @@ class Conductor:
         return await collect(spec, outcome, None, self._observed(deltas, outcome, timer))
 
     def _understand(self, raw: bytes, chat: bool, header_id: str | None
-                    ) -> tuple[GenerationRequest, str, ResponseSpec, list[int],
+                    ) -> tuple[GenerationRequest, RequestIds, ResponseSpec, list[int],
                                worker_pb2.SamplingParams]:
-        """The body as a request: validated, its id, its response's shape, its tokens."""
+        """The body as a request: validated, its ids, its response's shape, its tokens."""
         body = request_body.decode(raw)
         req: GenerationRequest = parse_chat(body) if chat else parse_completion(body)
         if req.model and req.model != self.config.served_model_name:
             raise ModelNotFound(f"The model `{req.model}` does not exist. Valid aliases: "
                                 f"{self.config.served_model_name}.", param="model")
-        base = header_id or req.request_id or uuid.uuid4().hex
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{base}"
-        return req, request_id, *self._plan(req, request_id)
+        ids = RequestIds.of("chatcmpl" if chat else "cmpl",
+                            client_request_id(header_id, req.request_id))
+        return req, ids, *self._plan(req, ids.public)
 
     def _plan(self, req: GenerationRequest, request_id: str
               ) -> tuple[ResponseSpec, list[int], worker_pb2.SamplingParams]:

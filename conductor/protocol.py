@@ -71,7 +71,7 @@ class GenerationRequest(_Body):
     request_id: Annotated[str, Field(min_length=1, max_length=128,
                                      pattern=r"^[\x21-\x7e]+$")] | None = Field(
         default=None, description="Optional caller-chosen id: 1-128 visible ASCII characters "
-        "(it goes into the response's id and headers).")
+        "(it goes into the response's id and headers; requests sharing it stay apart).")
     return_token_ids: bool | None = None
     response_format: dict[str, Any] | None = Field(
         default=None, description="Only {'type': 'text'} (no structured outputs).")

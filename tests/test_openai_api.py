@@ -51,7 +51,31 @@ def test_completion_with_usage_and_caller_request_id(client, local, model):
     assert out.choices[0].text == "w0 w1 w2 " and out.choices[0].finish_reason == "length"
     assert out.usage.completion_tokens == 3
     assert out.usage.total_tokens == out.usage.prompt_tokens + 3
-    assert "cmpl-abc" in local.worker("decode").counts.request_ids
+    # the engine keys the request on an id of the conductor's own that names the client's
+    assert local.worker("decode").counts.request_ids[-1].startswith("cmpl-abc-")
+
+
+def test_requests_sharing_a_client_id_get_ids_of_their_own(local, model):
+    decode = local.worker("decode")
+    before = len(decode.counts.request_ids)
+    for header, field in (("same", None), (None, "same"), ("same", "other")):
+        r = httpx.post(f"{local.url}/v1/completions", timeout=10,
+                       headers={"X-Request-Id": header} if header else {},
+                       json={"model": model, "prompt": "hi", "max_tokens": 1,
+                             **({"request_id": field} if field else {})})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-request-id"] == r.json()["id"] == "cmpl-same"  # the header wins
+    seen = decode.counts.request_ids[before:]
+    assert len(set(seen)) == 3 and all(i.startswith("cmpl-same-") for i in seen)
+
+
+@pytest.mark.parametrize("header", ["x" * 129, "a b", "caf\u00e9"])
+def test_an_invalid_request_id_header_is_400(local, model, header):
+    r = httpx.post(f"{local.url}/v1/completions", timeout=10,
+                   headers={"X-Request-Id": header.encode("utf-8").decode("latin-1")},
+                   json={"model": model, "prompt": "hi", "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "X-Request-Id"
 
 
 def test_chat_streams_role_then_content_then_usage_then_done(client, local, model):

@@ -11,6 +11,7 @@ import random
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -183,6 +184,51 @@ def test_client_disconnect_aborts_both_engines_requests(cluster, model):
     assert after2["prefill"].aborted_total > after["prefill"].aborted_total
     metrics = httpx.get(f"{cluster.url}/metrics").text
     assert 'status="499"' in metrics
+
+
+def test_streams_sharing_a_client_id_do_not_touch_each_other(cluster, model):
+    """Three streams carry one X-Request-Id; the client of the third leaves after a few
+    tokens. The other two still finish in full: the engines and the aborts key on the
+    conductor's own ids (with one id, the abort cut its twins after a token)."""
+    stubs = _stubs(cluster)
+    _wait(lambda: _idle(stubs), 60, "the workers were busy before the test")
+    before = _stats(stubs)["decode"].aborted_total
+    max_tokens = 200
+    body = {"model": model, "prompt": unique_text(60, seed=7), "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    headers = {"X-Request-Id": "twin"}
+    results: list[tuple[str | None, int, set[str]]] = []
+
+    def full() -> None:
+        finish, tokens, ids = None, 0, set()
+        with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, headers=headers,
+                          timeout=120) as r:
+            assert r.headers["x-request-id"] == "cmpl-twin"
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    ids.add(chunk["id"])
+                    for c in chunk["choices"]:
+                        finish = c["finish_reason"] or finish
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+        results.append((finish, tokens, ids))
+
+    twins = [threading.Thread(target=full) for _ in range(2)]
+    for t in twins:
+        t.start()
+    _wait(lambda: _stats(stubs)["decode"].running == 2, 60, "the twins did not start")
+    with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, headers=headers,
+                      timeout=60) as r:
+        lines = (ln for ln in r.iter_lines() if ln.startswith("data: "))
+        for _ in range(3):
+            next(lines)
+    _wait(lambda: _stats(stubs)["decode"].aborted_total == before + 1, 30,
+          "the abandoned stream was not aborted")
+    for t in twins:
+        t.join(timeout=120)
+    assert results == [("length", max_tokens, {"cmpl-twin"})] * 2
 
 
 # ---------------------------------------------------------------- tools

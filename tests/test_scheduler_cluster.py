@@ -81,8 +81,13 @@ def _log(c: EmbeddedCluster, process: str, event: str) -> list[dict]:
     return out
 
 
+def _client_id(rec: dict) -> str:
+    """The id the test gave the request (the conductor's own id extends it)."""
+    return rec.get("client_request_id") or rec.get("request_id", "")
+
+
 def _one(c: EmbeddedCluster, process: str, event: str, request_id: str) -> dict:
-    recs = [r for r in _log(c, process, event) if r.get("request_id", "").endswith(request_id)]
+    recs = [r for r in _log(c, process, event) if _client_id(r).endswith(request_id)]
     assert len(recs) == 1, (event, request_id, recs)
     return recs[0]
 
@@ -128,7 +133,7 @@ def test_shared_prefix_goes_where_it_is_cached_and_only_the_rest_is_computed(sch
     # the instance a cache-blind tie-break would not pick next time.
     busy = threading.Thread(target=_complete, args=(c, other, "other"))
     busy.start()
-    _wait_for(lambda: any(r["request_id"].endswith("other")
+    _wait_for(lambda: any(_client_id(r).endswith("other")
                           for r in _log(c, "conductor", "routed")), 60, "other routed")
     r, _ = _complete(c, prefix, "first")
     busy.join(timeout=120)

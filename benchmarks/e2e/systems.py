@@ -33,7 +33,7 @@ from cluster.process import ManagedProcess
 from conductor.launcher import ClusterSpec, EmbeddedCluster
 from protos import worker_pb2, worker_pb2_grpc
 from store.master import StoreClientService, StoreMaster
-from worker.engine import kv_namespace
+from store.namespace import kv_namespace
 
 
 @dataclass(frozen=True)
@@ -172,8 +172,9 @@ class _ServedBy:
             for line in new.decode(errors="replace").splitlines():
                 if " timeline " in line:
                     kv = dict(w.split("=", 1) for w in line.split() if "=" in w)
-                    if "request_id" in kv and "decode" in kv:
-                        self._seen[kv["request_id"]] = kv["decode"]
+                    rid = kv.get("client_request_id") or kv.get("request_id")
+                    if rid and "decode" in kv:
+                        self._seen[rid] = kv["decode"]
         return self._seen.get(request_id)
 
 
