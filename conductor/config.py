@@ -36,6 +36,11 @@ class ConductorConfig:
     """Deadline for the decode worker's first chunk."""
     request_timeout_s: float = 600.0
     """Deadline of a whole request."""
+    stall_timeout_s: float = 0.0
+    """A decode stream that sends nothing for this long after its first chunk has stalled (a
+    stopped or wedged worker): it continues on another decode instance, like a broken one.
+    0: 30 x the request's TBT SLO, at least 10 s (a long prefill sharing the engine's steps
+    is a gap, not a stall)."""
     block_size: int = 0
     """Block size used when no worker has registered yet; 0 means take the workers'."""
     ttft_slo_s: float = 30.0
@@ -92,6 +97,10 @@ class ConductorConfig:
     """OTLP/gRPC collector for request spans (`conductor/tracing.py`); empty: the SDK's
     `OTEL_EXPORTER_OTLP_ENDPOINT` / `OTEL_TRACES_EXPORTER` environment, else no spans."""
 
+    def stall_s(self, tbt_slo_s: float | None) -> float:
+        """The inter-chunk deadline of a decode stream whose TBT SLO is `tbt_slo_s`."""
+        return self.stall_timeout_s or max(30 * (tbt_slo_s or self.tbt_slo_s), 10.0)
+
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
@@ -106,6 +115,8 @@ class ConductorConfig:
                      "max_in_flight", "max_body_bytes", "pool_wait_margin_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.stall_timeout_s < 0:
+            raise ValueError("stall_timeout_s must be 0 (derived) or positive")
         if self.disaggregate not in DISAGGREGATE:
             raise ValueError(f"disaggregate must be one of {DISAGGREGATE}, got "
                              f"{self.disaggregate!r}")

@@ -46,6 +46,7 @@ from conductor.resilience import (
     cancelled_by_us,
     left,
     rpc_failure,
+    stalled,
 )
 from conductor.scheduler.router import Dispatch, Router
 from conductor.timeline import Timeline
@@ -340,6 +341,7 @@ class Pipeline:
             # lease lapsed while the prefill ran); new calls are refused, calls in flight go on
             raise left(iid, "decode") from None
         unfinished = set(range(prep.params.n or 1))
+        stall_s = self.config.stall_s(prep.tbt_slo_s)
         ended = False
         held: list[worker_pb2.TokenLogprobs] = []  # prompt logprobs of steps without output
         read = asyncio.ensure_future(call.read())
@@ -380,7 +382,11 @@ class Pipeline:
                 if not unfinished and timed:  # the worker's last chunk: the answer is whole
                     ended = True
                     break
-                chunk = await call.read()
+                try:
+                    async with asyncio.timeout(stall_s):
+                        chunk = await call.read()
+                except TimeoutError:
+                    raise stalled(iid, stall_s) from None
             if unfinished:
                 raise WorkerFailure(iid, grpc.StatusCode.UNKNOWN, UpstreamFailed(
                     f"decode on {iid} ended before choices {sorted(unfinished)} finished"))

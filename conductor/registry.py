@@ -14,6 +14,7 @@ from typing import Protocol
 import grpc
 import structlog
 
+from cluster import keepalive
 from cluster.instance import InstanceInfo, cpu_list
 from conductor.scheduler.load import LoadState
 from conductor.snapshot import ClusterSnapshot, InstanceLoad, SchedulerParams
@@ -123,7 +124,7 @@ class Registry:
                 self._leave(iid)
         for iid, info in members.items():
             if iid not in self._instances:
-                channel = grpc.aio.insecure_channel(info.address)
+                channel = grpc.aio.insecure_channel(info.address, options=keepalive.CLIENT)
                 load = LoadState(iid, info.role, info.block_size, info.capacity_tokens)
                 load.host, load.threads = info.host, info.threads
                 load.cores, load.gpus = cpu_list(info.cpus), cpu_list(info.gpus)

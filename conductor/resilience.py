@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 import grpc
 import structlog
 
-from conductor.errors import ConductorError, UpstreamFailed, from_worker_status
+from conductor.errors import ConductorError, Timeout, UpstreamFailed, from_worker_status
 from protos import worker_pb2
 from store.block_hash import extend_hashes
 
@@ -91,6 +91,13 @@ def rpc_failure(e: grpc.aio.AioRpcError, instance: str, stage: str) -> WorkerFai
                 details=e.details())
     return WorkerFailure(instance, e.code(), from_worker_status(
         e.code(), f"{stage} on {instance}: {e.details()}"))
+
+
+def stalled(instance: str, seconds: float) -> WorkerFailure:
+    """A decode stream sent nothing for `seconds` (`ConductorConfig.stall_timeout_s`)."""
+    log.warning("decode_stalled", instance=instance, seconds=round(seconds, 3))
+    return WorkerFailure(instance, grpc.StatusCode.DEADLINE_EXCEEDED, Timeout(
+        f"decode on {instance}: no token for {seconds:.1f}s", code="decode_stalled"))
 
 
 def left(instance: str, stage: str) -> WorkerFailure:

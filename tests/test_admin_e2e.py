@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import statistics
 import threading
 import time
@@ -34,6 +35,9 @@ every worker left and rejoined at once, failing the requests that were changing 
 HEALTH_S = 0.5
 PREFIX = "/kvcluster/instances/"
 MIGRATE_TOKENS = 1000
+STALL_S = 5.0
+"""The conductor's inter-token deadline here (the default derives 900 s from these tests'
+lax TBT SLO)."""
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +49,8 @@ def ctl(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
                        # SLOs out of the way: these tests are about membership and control,
                        # on a machine whose other tests may slow every engine down
                        conductor_args=("--health-interval-s", str(HEALTH_S),
-                                       "--ttft-slo-s", "600", "--tbt-slo-s", "30"))
+                                       "--ttft-slo-s", "600", "--tbt-slo-s", "30",
+                                       "--stall-timeout-s", str(STALL_S)))
     c = EmbeddedCluster(spec)
     c.start(timeout=300)
     try:
@@ -251,41 +256,82 @@ def _metric(c: EmbeddedCluster, name: str) -> float:
     return 0.0
 
 
-def test_a_stream_whose_decode_worker_is_killed_continues_elsewhere_token_for_token(ctl):
-    # long enough that the stream is surely still running when the client has seen a few
-    # tokens: vLLM coalesces a fast stream's outputs when its reader lags (CI once saw the
-    # whole of a 160-token stream finish before the client read its 20th token)
-    body = {"prompt": "Once upon a time " * 20, "max_tokens": MIGRATE_TOKENS, "temperature": 0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True}
+MIGRATE_BODY = {"prompt": "Once upon a time " * 20, "max_tokens": MIGRATE_TOKENS,
+                "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True}
+"""Long enough that the stream is surely still running when the client has seen a few tokens:
+vLLM coalesces a fast stream's outputs when its reader lags (CI once saw the whole of a
+160-token stream finish before the client read its 20th token)."""
+
+
+def _two_decodes(ctl: EmbeddedCluster) -> None:
     if len([i for i in instances(ctl).values() if i.role == "decode"]) < 2:
         wp = ctl.start_worker("decode")
         wait_for(lambda: (i := instances(ctl).get(wp.instance_id)) is not None
                  and i.state == "serving", 240, every=0.5)
 
-    def run(kill_after: int | None) -> tuple[list[int], str]:
-        ids, text, killed = [], "", None
-        with httpx.stream("POST", f"{ctl.url}/v1/completions", json=body, timeout=120) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                choice = chunk["choices"][0]
-                ids += choice.get("token_ids") or []
-                text += choice["text"]
-                if kill_after is not None and killed is None and len(ids) >= kill_after:
-                    killed = _streaming_decode(ctl, chunk["id"])
-                    ctl.stop_worker(killed, kill=True)
-        assert kill_after is None or killed is not None
-        return ids, text
 
+def _stream(ctl: EmbeddedCluster, fault=None, after: int = 10
+            ) -> tuple[list[int], str, str | None, float]:
+    """MIGRATE_BODY streamed; once `after` tokens arrived, `fault(decode instance)`. The
+    token ids, the text, the instance faulted, and the longest gap between chunks after it."""
+    ids, text, faulted, gap = [], "", None, 0.0
+    last = time.monotonic()
+    with httpx.stream("POST", f"{ctl.url}/v1/completions", json=MIGRATE_BODY,
+                      timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            now = time.monotonic()
+            if faulted is not None:
+                gap = max(gap, now - last)
+            last = now
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            choice = chunk["choices"][0]
+            ids += choice.get("token_ids") or []
+            text += choice["text"]
+            if fault is not None and faulted is None and len(ids) >= after:
+                faulted = _streaming_decode(ctl, chunk["id"])
+                fault(faulted)
+                last = time.monotonic()
+    assert fault is None or faulted is not None
+    return ids, text, faulted, gap
+
+
+def test_a_stream_whose_decode_worker_is_killed_continues_elsewhere_token_for_token(ctl):
+    _two_decodes(ctl)
     before = _metric(ctl, "kvcluster_stream_migrations_total")
-    broken_ids, broken_text = run(kill_after=10)
+    broken_ids, broken_text, _, _ = _stream(
+        ctl, lambda iid: ctl.stop_worker(iid, kill=True))
     assert _metric(ctl, "kvcluster_stream_migrations_total") == before + 1
-    clean_ids, clean_text = run(kill_after=None)
+    clean_ids, clean_text, _, _ = _stream(ctl)
     assert len(broken_ids) == len(clean_ids) == MIGRATE_TOKENS
     assert broken_ids == clean_ids and broken_text == clean_text
+
+
+def test_a_stream_whose_decode_worker_stalls_continues_elsewhere_within_the_deadline(ctl):
+    """SIGSTOP (a wedged host, not a crash: the connection stays open and silent): the
+    stream moves on after the conductor's inter-token deadline, token for token the same."""
+    _two_decodes(ctl)
+    before = _metric(ctl, "kvcluster_stream_migrations_total")
+    stopped: list[str] = []
+
+    def stall(iid: str) -> None:
+        ctl.workers[iid].process.signal_group(signal.SIGSTOP)
+        stopped.append(iid)
+
+    try:
+        stalled_ids, stalled_text, _, gap = _stream(ctl, stall)
+    finally:
+        for iid in stopped:
+            ctl.workers[iid].process.signal_group(signal.SIGCONT)
+            ctl.stop_worker(iid, kill=True)
+    assert _metric(ctl, "kvcluster_stream_migrations_total") == before + 1
+    # the deadline, then the prompt and the tokens so far recomputed on the other decode
+    assert STALL_S - 0.5 <= gap < STALL_S + 15, gap
+    clean_ids, clean_text, _, _ = _stream(ctl)
+    assert stalled_ids == clean_ids and stalled_text == clean_text
 
 
 def _streaming_decode(c: EmbeddedCluster, request_id: str) -> str:

@@ -12,6 +12,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from cluster import keepalive
 from cluster.instance import InstanceInfo, cpu_list, format_cpu_list
 from cluster.logging import configure
 from cluster.membership import Registration
@@ -34,7 +35,7 @@ async def serve(config: WorkerConfig) -> bool:
     engine = Engine(config)
     engine.start()
     servicer = WorkerServicer(engine, config.instance_id, config.role)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *keepalive.SERVER])
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
