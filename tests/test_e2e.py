@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster.instance import cpu_list
 from protos import worker_pb2, worker_pb2_grpc
 from store.block_hash import block_hashes, block_key
+from store.namespace import kv_namespace
 from store.pool import MooncakePool, PoolConfig
-from worker.engine import kv_namespace
 
 LOGPROB_TOL = 1e-4
 """float32 on one CPU: the loaded prefix and the recomputed one agree to rounding only."""

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import structlog
 
 from cluster.instance import cpu_list
+from store.namespace import kv_namespace
 from worker.config import WorkerConfig
 from worker.vllm_plugin import CPU_SEEDS_ENV
 
@@ -21,14 +20,6 @@ log = structlog.get_logger(__name__)
 
 FORCED_FIRST_TOKEN_PROCESSOR = "worker.forced_token:ForcedFirstToken"
 """Loaded by every engine: a decode makes its first token the prefill's (`worker.forced_token`)."""
-
-
-def kv_namespace(model: str, block_size: int, dtype: str) -> str:
-    """Pool key prefix: blocks are only shared between engines with the same model and layout."""
-    cfg = Path(model, "config.json")
-    blob = cfg.read_bytes() if cfg.exists() else model.encode()
-    digest = hashlib.sha256(blob + f"|{block_size}|{dtype}".encode()).hexdigest()[:12]
-    return f"kv-{digest}"
 
 
 @dataclass(frozen=True)
