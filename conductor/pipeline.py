@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -215,7 +215,7 @@ class Pipeline:
             async for delta in self._decode(dispatch.decode, prep, outcome, deadline, wait,
                                             prefill, first_call=not rec.sent
                                             and not outcome.migrations,
-                                            first=first_token):
+                                            first=first_token, sent=dispatch.announce):
                 if first:
                     dispatch.first_token()
                     first = False
@@ -320,13 +320,14 @@ class Pipeline:
 
     async def _decode(self, inst: Instance, prep: Prepared, outcome: Outcome, deadline: float,
                       wait: worker_pb2.PoolWait, prefill: asyncio.Task | None,
-                      first_call: bool = True, first: asyncio.Future | None = None
-                      ) -> AsyncIterator[Delta]:
+                      first_call: bool = True, first: asyncio.Future | None = None,
+                      sent: Callable[[], None] = lambda: None) -> AsyncIterator[Delta]:
         """The decode stream as deltas; WorkerFailure when the instance fails it, and
         PrefillFailure when `prefill` (running beside it) fails before its first chunk.
         `first_call`: the request's first decode (a continuation keeps the usage figures).
         `first`: the prefill's first token, streamed if it comes before the decode's own
-        (`conductor.first_token`)."""
+        (`conductor.first_token`). `sent`: called once the call is under way (after the
+        loop turn that sends it)."""
         iid = inst.info.instance_id
         tl = outcome.timeline
         tl.mark("decode_sent")
@@ -339,7 +340,10 @@ class Pipeline:
             )
         except grpc.aio.UsageError:  # its channel closed: it left after we chose it (its
             # lease lapsed while the prefill ran); new calls are refused, calls in flight go on
+            sent()
             raise left(iid, "decode") from None
+        # grpc.aio sends from a task of its own, scheduled just now: this runs after it
+        asyncio.get_running_loop().call_soon(sent)
         unfinished = set(range(prep.params.n or 1))
         stall_s = self.config.stall_s(prep.tbt_slo_s)
         ended = False
@@ -451,6 +455,7 @@ class Pipeline:
                 raise InvalidRequest(f"no instance {iid!r}", param="instances")
             targets.append(inst)
         dispatch = self.route(prep)
+        dispatch.announce()
         if dispatch.decode is not dispatch.prefill:  # no decode follows: nothing lands there
             dispatch.withdraw(dispatch.decode.instance_id)
         try:

@@ -232,8 +232,14 @@ class Dispatch:
         c.routed += 1
         c.local_prefills += not r.disaggregated
         c.predicted_hit_tokens += r.cached_blocks * self.block_size
+
+    def announce(self) -> None:
+        """Log the decision (`routed`). The pipeline calls it once the request's RPC is on its
+        way: the line (~0.1 ms) is then written while the engine works, not before."""
+        r = self.route
         log.info("routed", request_id=self.request_id, prefill=r.prefill_id, decode=r.decode_id,
-                 prompt_tokens=n, cached_blocks=r.cached_blocks, local_prefill=not r.disaggregated,
+                 prompt_tokens=self.num_prompt_tokens, cached_blocks=r.cached_blocks,
+                 local_prefill=not r.disaggregated,
                  predicted_ttft_s=round(r.predicted_ttft_s, 4),
                  predicted_tbt_s=round(r.predicted_tbt_s, 4))
 
