@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import statistics
 import threading
 import time
+from pathlib import Path
 
 import aetcd
 import grpc
@@ -328,6 +330,9 @@ def test_a_stream_whose_decode_worker_stalls_continues_elsewhere_within_the_dead
             ctl.workers[iid].process.signal_group(signal.SIGCONT)
             ctl.stop_worker(iid, kill=True)
     assert _metric(ctl, "kvcluster_stream_migrations_total") == before + 1
+    # the deadline's doing (gRPC keepalive would have failed the call too, seconds later)
+    log = Path(ctl.run_dir, "conductor.log").read_text(errors="replace")
+    assert re.search(rf"decode_stalled\W.*instance\W+{stopped[0]}\b", log), "no decode_stalled"
     # the deadline, then the prompt and the tokens so far recomputed on the other decode
     assert STALL_S - 0.5 <= gap < STALL_S + 15, gap
     clean_ids, clean_text, _, _ = _stream(ctl)
