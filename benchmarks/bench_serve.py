@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.machine import StallWatch, describe
+from benchmarks.machine import StallWatch, cpu_probe_s, describe
 from cluster.ports import free_port
 from cluster.process import ManagedProcess
 
@@ -78,6 +78,8 @@ class Result:
     """The plain server's mean queue / prefill / decode seconds per request (vLLM's metrics)."""
     host_stalls: list[float] = field(default_factory=list)
     """Seconds the benchmark's process stood still during the run (`StallWatch`), per stall."""
+    cpu_probe_s: float = 0.0
+    """`machine.cpu_probe_s()` before the arm started: the machine's speed at the time."""
 
 
 # ----------------------------------------------------------------------------- the arms
@@ -325,6 +327,7 @@ def plot(results: list[Result], path: Path) -> None:
 def run_arm(arm: str, rep: int, a: argparse.Namespace, model: str, datasets: list[str],
             out: Path) -> list[Result]:
     """Start the arm, run every dataset on it (fresh prompts each repetition), stop it."""
+    probe = cpu_probe_s()
     t0 = time.monotonic()
     run_dir = Path(f"/tmp/kvcluster-bench-serve-{arm}-{uuid.uuid4().hex[:6]}")
     if arm == "plain":
@@ -335,7 +338,8 @@ def run_arm(arm: str, rep: int, a: argparse.Namespace, model: str, datasets: lis
                         spec.max_model_len, run_dir)
     else:
         r = start_ours(arm, (a.auto_args if arm == "auto" else a.pd_args).split(), run_dir)
-    print(f"[{arm} #{rep}] up in {time.monotonic() - t0:.0f}s: {r.shape}", flush=True)
+    print(f"[{arm} #{rep}] up in {time.monotonic() - t0:.0f}s (cpu probe {probe * 1e3:.0f} ms "
+          f"before): {r.shape}", flush=True)
     results = []
     try:
         for n, ds in enumerate(datasets):
@@ -348,7 +352,7 @@ def run_arm(arm: str, rep: int, a: argparse.Namespace, model: str, datasets: lis
             res = Result(arm, ds, rep, {k: v for k, v in bench.items()
                                         if not isinstance(v, list)},
                          errors=[e for e in bench.get("errors", []) if e][:10],
-                         host_stalls=watch.stalls)
+                         host_stalls=watch.stalls, cpu_probe_s=probe)
             if r.conductor_log is not None:
                 res.stages = timeline_stages(r.conductor_log, offset)
             if r.engine_metrics:

@@ -23,6 +23,22 @@ def describe() -> str:
             f"Python {platform.python_version()}")
 
 
+def cpu_probe_s(n: int = 3_000_000, repeat: int = 3) -> float:
+    """Seconds a fixed pure-Python loop takes (the best of `repeat`; ~0.06 s here): the
+    machine's speed now. This machine has phases in which everything, this loop too, runs
+    1.5-2x slower with no steal reported; a benchmark records the probe beside each arm, taken
+    while nothing of its own runs, so that a slow phase shows as one instead of passing for a
+    regression."""
+    import time
+
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        sum(range(n))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 class StallWatch:
     """Host stalls during a measurement: a thread that wakes every `tick_s` and records each
     wake-up that came more than `min_gap_s` late, seconds in which this process got no CPU

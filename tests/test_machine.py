@@ -37,3 +37,10 @@ def test_a_frozen_process_reports_one_stall_of_the_frozen_time():
     stalls = json.loads(out.strip().splitlines()[-1])
     # (a busy machine may add a short stall of its own: the frozen one must be among them)
     assert any(frozen - 0.15 <= s <= frozen + 0.3 for s in stalls), (frozen, stalls)
+
+
+def test_the_cpu_probe_times_its_loop():
+    from benchmarks.machine import cpu_probe_s
+
+    small, large = cpu_probe_s(n=50_000), cpu_probe_s(n=2_000_000)
+    assert 0 < small < large < 5

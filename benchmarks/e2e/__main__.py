@@ -25,7 +25,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from benchmarks.e2e import client, report, systems, workloads
-from benchmarks.machine import describe
+from benchmarks.machine import cpu_probe_s, describe
 from tinymodel.builder import ModelSpec, ensure_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -197,13 +197,16 @@ def main(argv: list[str] | None = None) -> int:
     summaries: dict[tuple[str, str], report.Summary] = {}
     overhead: dict[str, dict[str, float]] = {}
     prewarm_rows: list[dict] = []
+    probes: dict[str, float] = {}
     total = len(args.systems.split(",")) * sum(len(w.requests) for w in wls)
     bar = tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
     for name in args.systems.split(","):
         bar.set_description(f"{name}: starting")
+        probes[name] = cpu_probe_s()  # the machine's speed, with nothing of ours running
         t0 = time.monotonic()
         run = systems.start(name, engines, run_root / name, TTFT_SLO_S, TBT_SLO_S)
-        tqdm.write(f"{name}: started in {time.monotonic() - t0:.0f}s at {run.url}")
+        tqdm.write(f"{name}: started in {time.monotonic() - t0:.0f}s at {run.url} (cpu probe "
+                   f"{probes[name] * 1e3:.0f} ms before)")
         try:
             _warm_up(run)
             if run.direct is not None:  # on the idle system: what the hop itself adds
@@ -241,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         "workloads": {w.name: {"description": w.description,
                                "reuse": workloads.reuse_ratio(w, 32)} for w in wls},
         "summaries": {f"{s}/{w}": asdict(v) for (s, w), v in summaries.items()},
-        "overhead_ms": overhead, "prewarm": prewarm_rows,
+        "overhead_ms": overhead, "prewarm": prewarm_rows, "cpu_probe_s": probes,
         "records": [asdict(r) for r in records],
     }
     (out / "results.json").write_text(json.dumps(result, indent=1))
