@@ -29,18 +29,18 @@ class RequestIds:
 
     public: str
     internal: str
-    client_given: bool
 
     @classmethod
     def of(cls, prefix: str, client_id: str | None) -> RequestIds:
         if client_id is None:
             own = f"{prefix}-{uuid.uuid4().hex}"
-            return cls(own, own, False)
+            return cls(own, own)
         public = f"{prefix}-{client_id}"
-        return cls(public, f"{public}-{uuid.uuid4().hex[:12]}", True)
+        return cls(public, f"{public}-{uuid.uuid4().hex[:12]}")
 
     def log(self) -> dict[str, str]:
-        """What the log lines and spans carry: the internal id, and the client's when given."""
-        if self.client_given:
+        """What the log lines and spans carry: the internal id, and the client's when given
+        (then the two differ)."""
+        if self.public != self.internal:
             return {"request_id": self.internal, "client_request_id": self.public}
         return {"request_id": self.internal}

@@ -50,14 +50,15 @@ def weights_digest(model: str) -> str:
         if root.is_dir() else []
     if not files:
         return ""
-    stamp = json.dumps([(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns)
-                        for p in files])
+    stats = [p.stat() for p in files]
+    stamp = json.dumps([(str(p.resolve()), st.st_size, st.st_mtime_ns)
+                        for p, st in zip(files, stats, strict=True)])
     cache = _read_cache()
     if stamp in cache:
         return cache[stamp]
     h = xxhash.xxh3_128()
-    for p in files:
-        h.update(f"{p.name}|{p.stat().st_size}|".encode())
+    for p, st in zip(files, stats, strict=True):
+        h.update(f"{p.name}|{st.st_size}|".encode())
         with p.open("rb") as f:
             while chunk := f.read(CHUNK):
                 h.update(chunk)
