@@ -19,7 +19,7 @@ import numpy as np
 import structlog
 import torch
 
-from store.pool import PoolError, ZeroCopyPool
+from store.pool import Fences, PoolError, ZeroCopyPool
 
 log = structlog.get_logger(__name__)
 
@@ -195,6 +195,7 @@ class KVTransfer:
         self.stats = TransferStats()
         self._stage: np.ndarray | None = None
         self._stage_lock = threading.Lock()
+        self._stage_fences: Fences = []
         self._views: list[tuple[np.ndarray, int, int]] = []
         if staging_blocks > 0 and layout.device == "cpu":
             self._stage = np.zeros((staging_blocks, layout.block_nbytes), dtype=np.uint8)
@@ -238,10 +239,11 @@ class KVTransfer:
         return self._pool() is not None
 
     def save(self, keys: Sequence[str], block_ids: Sequence[int], *, near: str | None = None,
-             generated: bool = False) -> SaveResult:
+             generated: bool = False, fences: Fences | None = None) -> SaveResult:
         """Write the blocks the pool does not hold yet. `near`: the key of a pooled block whose
         segment these blocks should go to (default placement when it is not found);
-        `generated`: count them as blocks of generated tokens."""
+        `generated`: count them as blocks of generated tokens; `fences`: calls given up on
+        that may still read the blocks (`ZeroCopyPool.get_into`)."""
         t0 = time.perf_counter()
         pool = self._pool()
         n = len(keys)
@@ -253,7 +255,8 @@ class KVTransfer:
             return self._count_save(SaveResult(0, n, 0, 0), 0, t0, generated)
         segment = pool.segment_of(near) if near is not None else None
         report = pool.put_from([keys[i] for i in todo],
-                               [self.layout.ranges(block_ids[i]) for i in todo], segment=segment)
+                               [self.layout.ranges(block_ids[i]) for i in todo], segment=segment,
+                               fences=fences)
         result = SaveResult(report.written, n - len(todo), report.full,
                             report.failed + report.unavailable)
         return self._count_save(result, report.written * self.layout.block_nbytes, t0,
@@ -276,9 +279,12 @@ class KVTransfer:
             s.save_buckets = _bucketed(s.save_buckets, seconds)
         return r
 
-    def load(self, keys: Sequence[str], block_ids: Sequence[int]) -> list[bool]:
+    def load(self, keys: Sequence[str], block_ids: Sequence[int], *,
+             fences: Fences | None = None) -> list[bool]:
         """Read blocks into the cache; False where a block did not arrive whole (its memory
-        then holds garbage and must be recomputed)."""
+        then holds garbage and must be recomputed). `fences`: calls given up on that may
+        still write the blocks (`ZeroCopyPool.get_into`; a staged load's late calls write
+        the staging buffer, which is not used again until they are done)."""
         t0 = time.perf_counter()
         pool = self._pool()
         if pool is None or not keys:
@@ -286,7 +292,8 @@ class KVTransfer:
         elif self._stage is not None:
             ok = self._load_staged(pool, keys, block_ids)
         else:
-            ok = pool.get_into(list(keys), [self.layout.ranges(b) for b in block_ids])
+            ok = pool.get_into(list(keys), [self.layout.ranges(b) for b in block_ids],
+                               fences=fences)
         loaded = sum(ok)
         seconds = time.perf_counter() - t0
         with self._lock:
@@ -306,9 +313,16 @@ class KVTransfer:
         base = stage.ctypes.data
         ok: list[bool] = []
         with self._stage_lock:
+            self._stage_fences = [f for f in self._stage_fences if not f.done()]
+            if self._stage_fences:  # a late call may still write the buffer: recompute
+                return [False] * len(keys)
             for start in range(0, len(keys), len(stage)):
                 ck = list(keys[start:start + len(stage)])
-                got = pool.get_into(ck, [[(base + i * nbytes, nbytes)] for i in range(len(ck))])
+                got = pool.get_into(ck, [[(base + i * nbytes, nbytes)] for i in range(len(ck))],
+                                    fences=self._stage_fences)
+                if self._stage_fences:  # given up on: what it wrote so far is not trusted
+                    ok.extend([False] * (len(keys) - len(ok)))
+                    break
                 rows = [i for i, g in enumerate(got) if g]
                 if rows:
                     ids = [block_ids[start + i] for i in rows]

@@ -203,6 +203,9 @@ class KVPool(Protocol):
     def close(self) -> None: ...
 
 
+Fences = list[Future]
+"""Calls given up on that may still touch the caller's memory (`ZeroCopyPool.get_into`)."""
+
 Ranges = Sequence[tuple[int, int]]
 """Where one object lives in this process's memory: (address, nbytes) pieces, concatenated in
 order. The memory must be registered (`register_memory`) and stay valid during the call."""
@@ -218,10 +221,10 @@ class ZeroCopyPool(KVPool, Protocol):
         ...
 
     def put_from(self, keys: Sequence[str], ranges: Sequence[Ranges], *,
-                 segment: str | None = None) -> PutReport:
+                 segment: str | None = None, fences: Fences | None = None) -> PutReport:
         """Write each key from its ranges; never raises for pool-full or unavailable.
         `segment`: place the objects in that segment (a name `segment_of` returned) while it
-        has room, instead of the pool's default placement."""
+        has room, instead of the pool's default placement. `fences`: see `get_into`."""
         ...
 
     def segment_of(self, key: str) -> str | None:
@@ -229,10 +232,15 @@ class ZeroCopyPool(KVPool, Protocol):
         cannot be asked."""
         ...
 
-    def get_into(self, keys: Sequence[str], ranges: Sequence[Ranges]) -> list[bool]:
+    def get_into(self, keys: Sequence[str], ranges: Sequence[Ranges], *,
+                 fences: Fences | None = None) -> list[bool]:
         """Read each key into its ranges: True where the whole object, of exactly the ranges'
         total size, arrived. False (missing, wrong size, unreachable) leaves that key's ranges
-        in an unspecified state: the caller must not use them."""
+        in an unspecified state: the caller must not use them.
+
+        A call the pool stopped waiting for (its timeout) may still run and read or write
+        the ranges later: it is appended to `fences`, and the ranges must not be freed or
+        reused for anything else until it is `done()`."""
         ...
 
 
@@ -634,9 +642,11 @@ class MooncakePool:
             raise PoolError("the KV pool is closed")
         return _Budget(self.config.op_timeout_s)
 
-    def _call(self, budget: _Budget, fn: Callable[..., T], *args: Any, staged: int = 0) -> T:
+    def _call(self, budget: _Budget, fn: Callable[..., T], *args: Any, staged: int = 0,
+              fences: Fences | None = None) -> T:
         """One store call staging `staged` bytes through the local buffer, or `_Down` if the
-        master is known unreachable or the budget ran out."""
+        master is known unreachable or the budget ran out (a call still running then goes to
+        `fences`)."""
         if self._closed:
             raise PoolError("the KV pool is closed")
         if not self._reachable():
@@ -660,6 +670,8 @@ class MooncakePool:
                         self._gate.release(reserved)
                     elif token in self._running:
                         self._hung.add(token)  # keeps the breaker open until it returns
+                        if fences is not None:
+                            fences.append(fut)
         elif reserved:
             self._gate.release(reserved)
         self._trip(f"no progress for {self.config.op_timeout_s}s (in {fn.__name__})")
@@ -847,7 +859,7 @@ class MooncakePool:
         return config
 
     def put_from(self, keys: Sequence[str], ranges: Sequence[Ranges], *,
-                 segment: str | None = None) -> PutReport:
+                 segment: str | None = None, fences: Fences | None = None) -> PutReport:
         keys, ptrs, sizes = _split_ranges(keys, ranges)
         put_config = self._placed(segment)
         budget = self._budget_start()
@@ -856,7 +868,7 @@ class MooncakePool:
             for start, end in self._zero_copy_chunks(ranges):
                 codes = self._call(budget, self._store.batch_put_from_multi_buffers,
                                    keys[start:end], ptrs[start:end], sizes[start:end],
-                                   put_config)
+                                   put_config, fences=fences)
                 got = [classify(c) for c in codes]
                 outcomes[start:end] = got
                 if Outcome.UNAVAILABLE in got:
@@ -885,7 +897,8 @@ class MooncakePool:
                 return replica.get_memory_descriptor().buffer_descriptor.transport_endpoint
         return None
 
-    def get_into(self, keys: Sequence[str], ranges: Sequence[Ranges]) -> list[bool]:
+    def get_into(self, keys: Sequence[str], ranges: Sequence[Ranges], *,
+                 fences: Fences | None = None) -> list[bool]:
         keys, ptrs, sizes = _split_ranges(keys, ranges)
         budget = self._budget_start()
         out = [False] * len(keys)
@@ -893,7 +906,8 @@ class MooncakePool:
             for start, end in self._zero_copy_chunks(ranges):
                 t0 = time.monotonic()
                 codes = self._call(budget, self._store.batch_get_into_multi_buffers,
-                                   keys[start:end], ptrs[start:end], sizes[start:end])
+                                   keys[start:end], ptrs[start:end], sizes[start:end],
+                                   fences=fences)
                 for i, code in enumerate(codes, start):
                     want = sum(sizes[i])
                     out[i] = code == want
@@ -968,14 +982,17 @@ class InMemoryPool:
 
     `capacity_bytes` makes writes beyond it `full` (no eviction, so tests are deterministic).
     Knobs: `fail_puts = True` makes every write `full`; `down = True` emulates a dead master
-    (exists all False, gets miss, writes `unavailable`, removes nothing, not healthy).
-    Read leases are not emulated: `remove` always removes.
+    (exists all False, gets miss, writes `unavailable`, removes nothing, not healthy);
+    `late` (an Event) makes `get_into`/`put_from` calls the pool's timeout abandoned: they
+    answer at once as failed (`unavailable`) and do their copies only once `late` is set,
+    reported through `fences`. Read leases are not emulated: `remove` always removes.
     """
 
     def __init__(self, capacity_bytes: int | None = None) -> None:
         self.capacity_bytes = capacity_bytes
         self.fail_puts = False
         self.down = False
+        self.late: threading.Event | None = None
         self._data: dict[str, bytes] = {}
         self._used = 0
         self._lock = threading.Lock()
@@ -1048,17 +1065,48 @@ class InMemoryPool:
         self._check_open()
 
     def put_from(self, keys: Sequence[str], ranges: Sequence[Ranges], *,
-                 segment: str | None = None) -> PutReport:
+                 segment: str | None = None, fences: Fences | None = None) -> PutReport:
+        if self._abandoned(fences, self._put_now, keys, ranges):
+            return PutReport.of([Outcome.UNAVAILABLE] * len(keys))
+        return self._put_now(keys, ranges)
+
+    def _put_now(self, keys: Sequence[str], ranges: Sequence[Ranges]) -> PutReport:
         keys, ptrs, sizes = _split_ranges(keys, ranges)
         values = [b"".join(ctypes.string_at(a, n) for a, n in zip(p, z, strict=True))
                   for p, z in zip(ptrs, sizes, strict=True)]
         return self.put_many(list(zip(keys, values, strict=True)))
 
+    def _abandoned(self, fences: Fences | None, call: Callable[..., Any],
+                   *args: Any) -> bool:
+        """With `late` set up: `call` runs once it is set, as a fence; True."""
+        late = self.late
+        if late is None:
+            return False
+        fut: Future = Future()
+
+        def run() -> None:
+            late.wait()
+            try:
+                call(*args)
+            finally:
+                fut.set_result(None)
+
+        threading.Thread(target=run, daemon=True, name="late-call").start()
+        if fences is not None:
+            fences.append(fut)
+        return True
+
     def segment_of(self, key: str) -> str | None:
         """One segment, "memory", for whatever it holds."""
         return "memory" if self.exists([key])[0] else None
 
-    def get_into(self, keys: Sequence[str], ranges: Sequence[Ranges]) -> list[bool]:
+    def get_into(self, keys: Sequence[str], ranges: Sequence[Ranges], *,
+                 fences: Fences | None = None) -> list[bool]:
+        if self._abandoned(fences, self._get_now, keys, ranges):
+            return [False] * len(keys)
+        return self._get_now(keys, ranges)
+
+    def _get_now(self, keys: Sequence[str], ranges: Sequence[Ranges]) -> list[bool]:
         keys, ptrs, sizes = _split_ranges(keys, ranges)
         out = []
         for key, p, z in zip(keys, ptrs, sizes, strict=True):

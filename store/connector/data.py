@@ -51,6 +51,9 @@ class LoadResult:
     """Seconds spent waiting for blocks that were not in the pool yet."""
     load_s: float
     """Seconds spent copying blocks."""
+    fenced: bool = False
+    """A read the pool gave up on may still write the request's blocks: they stay allocated
+    after it finishes until the worker side reports it (`store.connector.fences`)."""
 
 
 @dataclass

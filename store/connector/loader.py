@@ -20,7 +20,9 @@ import structlog
 
 from store.connector import background
 from store.connector.data import LoadJob, LoadResult
+from store.connector.fences import RequestFences
 from store.kv_transfer import KVTransfer
+from store.pool import Fences
 
 log = structlog.get_logger(__name__)
 
@@ -35,6 +37,8 @@ class _Active:
     failed_at: int | None = None
     """Index of the first block that could not be read: it and the rest are recomputed."""
     cancelled: bool = False
+    late: Fences = field(default_factory=list)
+    """Its reads the pool gave up on that may still write its blocks."""
 
     def finished(self, now: float) -> bool:
         return (self.done == len(self.job.keys) or self.failed_at is not None
@@ -43,7 +47,8 @@ class _Active:
     def result(self, now: float) -> LoadResult:
         elapsed = now - self.started
         return LoadResult(loaded=self.done, failed=len(self.job.keys) - self.done,
-                          wait_s=max(elapsed - self.load_s, 0.0), load_s=self.load_s)
+                          wait_s=max(elapsed - self.load_s, 0.0), load_s=self.load_s,
+                          fenced=bool(self.late))
 
 
 @dataclass
@@ -59,8 +64,13 @@ once, on two cores busy with prefills."""
 
 
 class Loader:
-    def __init__(self, transfer: KVTransfer, poll_s: float) -> None:
+    def __init__(self, transfer: KVTransfer, poll_s: float, fences: RequestFences) -> None:
         self.transfer = transfer
+        self.fences = fences
+        """Where a job whose read was given up on holds its request: reported at once (the
+        request recomputes; the scheduler side delays freeing its blocks, `fenced`), except
+        a cancelled one, reported only once its reads are done (vLLM frees a finished
+        request's blocks when its load reports)."""
         self.poll_s = poll_s
         self._new: queue.SimpleQueue[LoadJob] = queue.SimpleQueue()
         self._cancel: set[str] = set()
@@ -147,7 +157,7 @@ class Loader:
                 step = min(end - a.done, READ_BLOCKS)
                 t0 = time.monotonic()
                 ok = self.transfer.load(a.job.keys[a.done:a.done + step],
-                                        a.job.block_ids[a.done:a.done + step])
+                                        a.job.block_ids[a.done:a.done + step], fences=a.late)
                 a.load_s += time.monotonic() - t0
                 good = next((i for i, g in enumerate(ok) if not g), step)
                 a.done += good
@@ -156,12 +166,15 @@ class Loader:
 
     def _retire(self, active: dict[str, _Active]) -> None:
         now = time.monotonic()
-        done = {rid: a for rid, a in active.items() if a.finished(now)}
+        done = {rid: a for rid, a in active.items() if a.finished(now)
+                and not (a.cancelled and any(not f.done() for f in a.late))}
         if not done:
             return
         with self._lock:
             for rid, a in done.items():
                 del active[rid]
+                if not a.cancelled:
+                    self.fences.hold([rid], a.late)
                 self._finished.results[rid] = a.result(now)
                 self._finished.invalid.update(a.job.block_ids[a.done:])
                 if a.done < len(a.job.keys) and not a.cancelled:

@@ -10,7 +10,9 @@ import structlog
 
 from store.connector import background
 from store.connector.data import BlockTransfer
+from store.connector.fences import RequestFences
 from store.kv_transfer import KVTransfer
+from store.pool import Fences
 
 log = structlog.get_logger(__name__)
 
@@ -18,10 +20,13 @@ log = structlog.get_logger(__name__)
 class Saver:
     """The background thread that saves blocks. Jobs queued together are written as one batch
     (a shared prefix queued twice is written once). `pending(req)` is how many of a request's
-    jobs are not finished; its blocks must stay allocated until it is 0."""
+    jobs are not finished; its blocks must stay allocated until it is 0 and `fences` does not
+    hold it."""
 
-    def __init__(self, transfer: KVTransfer) -> None:
+    def __init__(self, transfer: KVTransfer, fences: RequestFences) -> None:
         self.transfer = transfer
+        self.fences = fences
+        """Where a batch whose pool call was given up on holds its requests."""
         self._queue: queue.SimpleQueue[list[BlockTransfer] | None] = queue.SimpleQueue()
         self._pending: dict[str, int] = {}
         self._cond = threading.Condition()
@@ -76,14 +81,16 @@ class Saver:
                         seen.add(key)
                         group[key] = block_id
             dupes = sum(len(j.keys) for j in jobs) - len(seen)
+            late: Fences = []
             try:
                 for (generated, near), blocks in groups.items():
                     if blocks:
                         self.transfer.save(list(blocks), list(blocks.values()), near=near,
-                                           generated=generated)
+                                           generated=generated, fences=late)
                 self.transfer.count_deduplicated(dupes)
             except Exception:  # a bug must not kill the thread and pin blocks forever
                 log.exception("kv_save_crashed", blocks=len(seen))
+            self.fences.hold((job.request_id for job in jobs), late)
             with self._cond:
                 for job in jobs:
                     left = self._pending[job.request_id] - 1

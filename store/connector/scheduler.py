@@ -257,9 +257,11 @@ class SchedulerSide:
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        """Delays freeing the blocks of a request with saves planned: the worker reports it in
-        `get_finished` once they are written (or given up). A request aborted while its load
-        waits lets the loader stop waiting (vLLM keeps its blocks until the load reports)."""
+        """Delays freeing the blocks of a request with saves planned, or whose load a pool call
+        given up on may still write (`LoadResult.fenced`): the worker reports it in
+        `get_finished` once they are written (or given up) and no such call runs. A request
+        aborted while its load waits lets the loader stop waiting (vLLM keeps its blocks
+        until the load reports)."""
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is None:
             return False, None
@@ -280,4 +282,5 @@ class SchedulerSide:
         if load is not None:
             params["pool_times"] = {"wait_s": load.wait_s, "load_s": load.load_s,
                                     "blocks": loaded}
-        return self.saves and tracked.planned > 0, params
+        fenced = load is not None and load.fenced  # the worker side reports it when safe
+        return (self.saves and tracked.planned > 0) or fenced, params

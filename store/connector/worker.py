@@ -1,16 +1,19 @@
 """The connector's worker side (in the process that owns the paged KV cache): registers the
 cache with the pool, hands planned saves to the saver and loads to the loader, and reports
 what finished. Nothing here blocks the forward pass, except that a preempted request's saves
-are finished before vLLM frees its blocks."""
+(and pool calls given up on that may still touch its blocks) are finished before vLLM frees
+its blocks."""
 
 from __future__ import annotations
 
+import time
 from contextlib import AbstractContextManager
 
 import structlog
 import torch
 
 from store.connector.data import PoolConnectorMetadata, PoolWorkerMetadata
+from store.connector.fences import RequestFences
 from store.connector.loader import Loader
 from store.connector.saver import Saver
 from store.connector.settings import ConnectorSettings, SharedPool, kv_cache_in_shared_memory
@@ -31,6 +34,9 @@ class WorkerSide:
         self.loader: Loader | None = None
         self._saving: set[str] = set()
         """Requests with saves submitted and not yet reported finished."""
+        self.fences = RequestFences()
+        self._fenced: set[str] = set()
+        """Requests whose load reported `fenced`: the scheduler side delays freeing them."""
         self._finishing: set[str] = set()
         self._invalid: set[int] = set()
         self._loads: dict = {}
@@ -52,9 +58,9 @@ class WorkerSide:
         self.transfer = KVTransfer(layout, self.pool.get,
                                    staging_blocks=self.settings.load_staging_blocks)
         self.transfer.connect()  # join the pool and register the cache now, not mid-request
-        self.loader = Loader(self.transfer, self.settings.load_poll_s)
+        self.loader = Loader(self.transfer, self.settings.load_poll_s, self.fences)
         if self.saves:
-            self.saver = Saver(self.transfer)
+            self.saver = Saver(self.transfer, self.fences)
         first = next(iter(kv_caches.values()))
         log.info("kv_caches_registered", layers=len(kv_caches), shape=tuple(first.shape),
                  block_dim=block_dim(first, layout.num_blocks), device=layout.device,
@@ -80,22 +86,27 @@ class WorkerSide:
 
     def handle_preemptions(self, meta: PoolConnectorMetadata) -> None:
         """A preempted request's blocks are freed at once: finish its saves first."""
-        busy = meta.preempted & self._saving
-        if busy and self.saver is not None:
-            if not self.saver.wait_idle(busy, _PREEMPT_WAIT_S):
-                log.error("kv_save_preempt_wait_timeout", requests=sorted(busy))
+        busy = meta.preempted & (self._saving | self._fenced)
+        if not busy:
+            return
+        deadline = time.monotonic() + _PREEMPT_WAIT_S
+        saved = self.saver is None or self.saver.wait_idle(busy, _PREEMPT_WAIT_S)
+        if not (saved and self.fences.wait(busy, max(deadline - time.monotonic(), 0.0))):
+            log.error("kv_save_preempt_wait_timeout", requests=sorted(busy))
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose saves are done, requests whose loads are done). A finished load's
         failed blocks go out through `invalid_blocks` in the same step."""
-        self._finishing |= finished_req_ids & self._saving
+        self._finishing |= finished_req_ids & (self._saving | self._fenced)
         sent = None
         if self._finishing:
             saver = self.saver
-            done = {r for r in self._finishing if saver is None or not saver.pending(r)}
+            done = {r for r in self._finishing if (saver is None or not saver.pending(r))
+                    and not self.fences.held(r)}
             self._finishing -= done
             self._saving -= done
+            self._fenced -= done
             sent = done or None
         received = None
         if self.loader is not None:
@@ -103,6 +114,7 @@ class WorkerSide:
             if loads:
                 self._loads.update(loads)
                 self._invalid |= invalid
+                self._fenced.update(r for r, result in loads.items() if result.fenced)
                 received = set(loads)
         return sent, received
 

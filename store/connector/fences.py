@@ -1,0 +1,60 @@
+"""Requests whose blocks a pool call may still read or write after the pool stopped waiting
+for it (its timeout: `store.pool.ZeroCopyPool.get_into`'s `fences`). Their blocks stay
+allocated until every such call is done, so that a late transfer never lands in (or reads)
+memory vLLM gave to another request. The worker side reports a fenced request finished only
+then; each call releases its requests from the thread that ran it.
+
+A late load writes the pool's bytes for the same keys (the same tokens under the same
+namespace) into blocks the request is recomputing: the KV it would have loaded. The one gap:
+a request aborted in the very step its load gave up has its blocks freed by vLLM when that
+load reports (vLLM frees a finished request's blocks on `finished_recving`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+import structlog
+
+from store.pool import Fences
+
+log = structlog.get_logger(__name__)
+
+
+class RequestFences:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._open: dict[str, int] = {}
+        """Request id -> calls not done yet."""
+
+    def hold(self, request_ids: Iterable[str], fences: Fences) -> None:
+        """Keep `request_ids` held until every call in `fences` is done."""
+        rids = sorted(set(request_ids))
+        if not fences or not rids:
+            return
+        with self._cond:
+            for rid in rids:
+                self._open[rid] = self._open.get(rid, 0) + len(fences)
+        log.warning("pool_call_abandoned_blocks_held", requests=rids, calls=len(fences))
+        for fence in fences:
+            fence.add_done_callback(lambda _: self._release(rids))
+
+    def _release(self, rids: list[str]) -> None:
+        with self._cond:
+            for rid in rids:
+                left = self._open[rid] - 1
+                if left:
+                    self._open[rid] = left
+                else:
+                    del self._open[rid]
+            self._cond.notify_all()
+
+    def held(self, request_id: str) -> bool:
+        with self._cond:
+            return request_id in self._open
+
+    def wait(self, request_ids: set[str], timeout: float) -> bool:
+        """Until none of `request_ids` is held, or the timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not request_ids & self._open.keys(), timeout)

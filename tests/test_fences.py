@@ -1,0 +1,118 @@
+"""No pool call the pool gave up on lands in (or reads) blocks vLLM could give to another
+request (`store.connector.fences`). The pool is `InMemoryPool` with `late` set: its calls
+answer at once as failed and do their copies only when the test releases them, as a Mooncake
+call abandoned after `op_timeout_s` that completes later would."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from conftest import wait_until
+
+from store.connector.data import BlockTransfer, LoadJob, PoolConnectorMetadata
+from store.connector.settings import ConnectorSettings
+from store.connector.worker import WorkerSide
+from store.kv_transfer import BlockLayout, KVTransfer
+from store.pool import InMemoryPool
+
+BLOCKS = 4
+PATTERN = 7.0
+
+
+class _Pool:
+    def __init__(self, pool: InMemoryPool) -> None:
+        self.pool = pool
+
+    def get(self) -> InMemoryPool:
+        return self.pool
+
+
+def _layers() -> list[torch.Tensor]:
+    return [torch.zeros(BLOCKS, 2, 32, 16) for _ in range(2)]
+
+
+def _pooled(pool: InMemoryPool, key: str) -> None:
+    """`key` in the pool, every value PATTERN (what a late load would write)."""
+    src = [torch.full((BLOCKS, 2, 32, 16), PATTERN) for _ in range(2)]
+    KVTransfer(BlockLayout.of(src, BLOCKS), lambda: pool).save([key], [0])
+
+
+def _worker(pool: InMemoryPool) -> tuple[WorkerSide, list[torch.Tensor]]:
+    settings = ConnectorSettings(master_addr="-", metadata_url="-", namespace="t",
+                                 load_poll_s=0.001)
+    side = WorkerSide(settings, _Pool(pool), saves=True)  # type: ignore[arg-type]
+    layers = _layers()
+    side.register_kv_caches({f"layer{i}": t for i, t in enumerate(layers)}, BLOCKS)
+    return side, layers
+
+
+def _finished(side: WorkerSide, finished: set[str]) -> tuple[set[str], set[str]]:
+    sent, received = side.get_finished(finished)
+    return sent or set(), received or set()
+
+
+def test_a_load_given_up_on_holds_its_blocks_until_the_late_write_is_done():
+    pool = InMemoryPool()
+    _pooled(pool, "k")
+    late = pool.late = threading.Event()
+    side, layers = _worker(pool)
+    try:
+        side.start_load_kv(PoolConnectorMetadata(loads=[LoadJob("A", ("k",), (1,))]))
+        received: set[str] = set()
+        wait_until(lambda: received.update(_finished(side, set())[1]) or "A" in received, 5)
+        result = side.worker_meta().loads["A"]  # what the scheduler side learns
+        assert (result.loaded, result.failed, result.fenced) == (0, 1, True)
+        assert 1 in side.invalid_blocks()  # the request recomputes the block meanwhile
+        # the request ends; its blocks must not go back to vLLM while the read may land
+        assert _finished(side, {"A"})[0] == set()
+        assert _finished(side, set())[0] == set()
+        assert float(layers[0][1].max()) == 0.0
+        late.set()
+        wait_until(lambda: float(layers[0][1].min()) == PATTERN, 5)
+        sent: set[str] = set()
+        wait_until(lambda: sent.update(_finished(side, set())[0]) or "A" in sent, 5)
+    finally:
+        late.set()
+        side.shutdown()
+
+
+def test_a_save_given_up_on_holds_its_blocks_until_the_late_read_is_done():
+    """Freed too early, the block's next owner's KV would be stored under this key."""
+    pool = InMemoryPool()
+    late = pool.late = threading.Event()
+    side, layers = _worker(pool)
+    try:
+        layers[0][2].fill_(3.0)
+        layers[1][2].fill_(3.0)
+        side.wait_for_save(PoolConnectorMetadata(saves=[BlockTransfer("S", ("s",), (2,))]))
+        assert side.saver is not None
+        wait_until(lambda: side.saver.pending("S") == 0, 5)  # the saver gave up
+        for _ in range(3):
+            assert _finished(side, {"S"})[0] == set()
+        pool.late = None
+        late.set()
+        sent: set[str] = set()
+        wait_until(lambda: sent.update(_finished(side, set())[0]) or "S" in sent, 5)
+        assert pool.exists(["s"]) == [True]
+    finally:
+        late.set()
+        side.shutdown()
+
+
+def test_a_staged_load_given_up_on_keeps_the_staging_buffer_until_it_is_done():
+    pool = InMemoryPool()
+    _pooled(pool, "k")
+    dst = _layers()
+    transfer = KVTransfer(BlockLayout.of(dst, BLOCKS), lambda: pool, staging_blocks=2)
+    late = pool.late = threading.Event()
+    try:
+        assert transfer.load(["k"], [0]) == [False]
+        pool.late = None  # the pool answers again, but the buffer may still be written
+        assert transfer.load(["k"], [1]) == [False]
+        assert float(dst[0][1].max()) == 0.0
+        late.set()
+        wait_until(lambda: transfer.load(["k"], [1]) == [True], 5)
+        assert float(dst[0][1].min()) == PATTERN
+    finally:
+        late.set()
