@@ -42,6 +42,8 @@ class WorkerSpec:
     for the tiny model here, ~45 s more to start)."""
     env: tuple[tuple[str, str], ...] = ()
     python: str = sys.executable
+    secret_file: str = ""
+    """The cluster secret every worker is started with (`cluster.secret`); "": none."""
     machine_cpus: str = ""
     """Where an engine without cores of its own (unplaced: `ResizePool`, tests) computes when
     the worker is started from a process kept to the serving cores; "": where it starts."""
@@ -82,6 +84,8 @@ class WorkerSpec:
             placement.cpu_bind if bound else self.machine_cpus)
         if home:  # its engine's processes on its own cores, not the serving processes'
             argv += ["--engine-cpus", home]
+        if self.secret_file:
+            argv += ["--secret-file", self.secret_file]
         if self.pool_store_client:
             argv += ["--pool-store-client", self.pool_store_client,
                      "--pool-store-client-segment", self.pool_store_client_segment]

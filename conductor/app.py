@@ -28,7 +28,7 @@ from cluster.workers import WorkerSpec
 from conductor import body as request_body
 from conductor import openapi
 from conductor.admin import AdminServer
-from conductor.auth import ApiKeyMiddleware
+from conductor.auth import ApiKeyMiddleware, tenant_salt
 from conductor.chat import ChatTemplate
 from conductor.config import ConductorConfig
 from conductor.deltas import Delta
@@ -84,7 +84,7 @@ class Conductor:
     def __init__(self, config: ConductorConfig,
                  membership: Callable[[Callable], Membership] | None = None) -> None:
         self.config = config
-        self.registry = Registry()
+        self.registry = Registry(config.cluster_secret)
         self.tokenizer = Tokenizer(config.model)
         self.chat_template = ChatTemplate(self.tokenizer.hf)
         self.defaults = ModelDefaults.load(config.model)
@@ -190,8 +190,9 @@ class Conductor:
             else self._understand(*args))
         request_id = ids.internal
         structlog.contextvars.bind_contextvars(**ids.log())
+        tenant = request.scope.get("state", {}).get("tenant", "")
         prep = self.pipeline.prepare(
-            request_id, token_ids, params, req.cache_salt or "",
+            request_id, token_ids, params, tenant_salt(tenant, req.cache_salt),
             ttft_slo_s=req.ttft_slo_ms / 1000 if req.ttft_slo_ms is not None else None,
             tbt_slo_s=req.tbt_slo_ms / 1000 if req.tbt_slo_ms is not None else None)
         timer.timeline.mark("prepared")
@@ -207,6 +208,8 @@ class Conductor:
             if body is _GONE:
                 timer.end(CLIENT_CLOSED)
                 return _closed()
+            if self.config.hide_kv_transfer:
+                body.pop("kv_transfer", None)
             return JSONResponse(body, headers=headers, background=BackgroundTask(_sink, timer))
         first = await _unless_disconnected(request, anext(deltas, None))
         if first is _GONE:
@@ -361,15 +364,15 @@ def create_app(config: ConductorConfig,
         await conductor.start()
         log.info("conductor_ready", host=config.host, port=config.port,
                  model=config.served_model_name, chat_template_builtin=conductor.chat_template
-                 .builtin, api_key=bool(config.api_key))
+                 .builtin, api_keys=len(config.api_keys))
         yield
         await conductor.stop()
 
     app = FastAPI(title="kvcluster conductor", version="0.1.0", lifespan=lifespan,
                   docs_url="/docs", redoc_url=None)
     app.state.conductor = conductor
-    if config.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    if config.api_keys:
+        app.add_middleware(ApiKeyMiddleware, keys=config.api_keys)
 
     @app.exception_handler(ConductorError)
     async def _conductor_error(request: Request, err: ConductorError) -> JSONResponse:
@@ -421,6 +424,6 @@ def create_app(config: ConductorConfig,
     async def chat_completions(request: Request) -> Response:
         return await conductor.serve(request, chat=True)
 
-    described = openapi.build(app, secured=bool(config.api_key))
+    described = openapi.build(app, secured=bool(config.api_keys))
     app.openapi = lambda: described  # type: ignore[method-assign]
     return app

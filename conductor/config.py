@@ -6,6 +6,8 @@ import argparse
 import os
 from dataclasses import dataclass, fields
 
+from cluster.secret import LOOPBACK, ClusterSecret
+from conductor.auth import load_api_keys
 from conductor.policy import DEFAULT_POLICY
 from conductor.policy import POLICIES as _POLICY_TABLE
 
@@ -73,6 +75,10 @@ class ConductorConfig:
     environment: a flag shows in `ps`)."""
     admin_token_file: str = ""
     """A file holding the admin token (read once at start)."""
+    secret_file: str = ""
+    """A file holding the cluster secret (`cluster.secret`): set, every Worker call carries
+    the token derived from it and an instance is routed to only once it proved it holds the
+    same secret. Empty: the worker plane is open (loopback-only clusters)."""
     embedded_workers: str = ""
     """Embedded mode: a `cluster.workers.WorkerSpec` JSON file; ResizePool then starts worker
     processes on this machine. Empty: a deployed cluster (drain and switch only)."""
@@ -92,10 +98,26 @@ class ConductorConfig:
     api_key: str = ""
     """When set, /v1 routes need `Authorization: Bearer <api_key>` (401 otherwise); /health,
     /metrics and the OpenAPI description stay open. Empty: no key."""
+    api_keys_file: str = ""
+    """API keys with their tenants, one `<key> <tenant>` per line (`#` comments): /v1 routes
+    then need one of them (or `api_key`, tenant ""), and each tenant's requests are salted
+    apart (`conductor.auth.tenant_salt`): no tenant's cached prefixes show in another's
+    `cached_tokens`, `kv_transfer` or timings. Read once at start."""
+    hide_kv_transfer: bool = False
+    """Leave the `kv_transfer` details (instances, blocks moved) out of answers."""
 
     otel_endpoint: str = ""
     """OTLP/gRPC collector for request spans (`conductor/tracing.py`); empty: the SDK's
     `OTEL_EXPORTER_OTLP_ENDPOINT` / `OTEL_TRACES_EXPORTER` environment, else no spans."""
+
+    @property
+    def api_keys(self) -> dict[str, str]:
+        """Every API key -> its tenant; empty: no key needed."""
+        return self._keys  # type: ignore[attr-defined]
+
+    @property
+    def cluster_secret(self) -> ClusterSecret | None:
+        return self._secret  # type: ignore[attr-defined]
 
     def stall_s(self, tbt_slo_s: float | None) -> float:
         """The inter-chunk deadline of a decode stream whose TBT SLO is `tbt_slo_s`."""
@@ -133,9 +155,11 @@ class ConductorConfig:
                 raise ValueError("admin_token and admin_token_file disagree; set one")
             object.__setattr__(self, "admin_token", token)
         if (self.admin_port and not self.admin_token
-                and self.admin_host not in ("127.0.0.1", "localhost", "::1")):
+                and self.admin_host not in LOOPBACK):
             raise ValueError("an admin API reachable beyond loopback needs an admin token "
                              "(admin_token_file)")
+        object.__setattr__(self, "_secret", ClusterSecret.load(self.secret_file))
+        object.__setattr__(self, "_keys", load_api_keys(self.api_keys_file, self.api_key))
         if self.embedded_workers and not os.path.isfile(self.embedded_workers):
             raise ValueError(f"embedded_workers is not a file: {self.embedded_workers!r}")
         if not self.served_model_name:

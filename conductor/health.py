@@ -9,12 +9,15 @@ not a dead one). The next successful check brings it back. Requests in flight ar
 from __future__ import annotations
 
 import asyncio
+import secrets
 
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cluster.secret import NONCE_KEY, PROOF_KEY, metadata_value
 from conductor.registry import Instance, PerInstance, Registry
+from protos import worker_pb2
 
 log = structlog.get_logger(__name__)
 
@@ -30,7 +33,33 @@ class HealthChecker(PerInstance):
         self.timeout_s = max(2 * interval_s, 2.0)
         """A busy machine answers late; a dead instance refuses at once, whatever this is."""
         self.failures_total = 0
+        self._told: set[tuple[str, str]] = set()
         super().__init__(registry)
+
+    async def _verify(self, inst: Instance) -> None:
+        """Set `inst.verified` when its answer proves it holds the cluster secret."""
+        secret = self.registry.secret
+        assert secret is not None
+        address, nonce = inst.info.address, secrets.token_hex(16)
+        try:
+            call = inst.stub.Stats(worker_pb2.StatsRequest(), timeout=self.timeout_s,
+                                   metadata=(*secret.metadata(address), (NONCE_KEY, nonce)))
+            await call
+            proof = metadata_value(await call.trailing_metadata(), PROOF_KEY)
+        except grpc.aio.AioRpcError as e:
+            self._unverified(inst, e.code().name)
+            return
+        if secret.proves(address, nonce, proof):
+            self.registry.set_verified(inst.instance_id)
+        else:
+            self._unverified(inst, "no proof of the cluster secret")
+
+    def _unverified(self, inst: Instance, why: str) -> None:
+        """Logged once per instance and reason: it is asked again every interval."""
+        if (inst.instance_id, why) not in self._told:
+            self._told.add((inst.instance_id, why))
+            log.warning("instance_unverified", instance_id=inst.instance_id,
+                        address=inst.info.address, why=why)
 
     async def _run(self, inst: Instance) -> None:
         stub = health_pb2_grpc.HealthStub(inst.channel)
@@ -40,6 +69,8 @@ class HealthChecker(PerInstance):
         while True:
             started = loop.time()
             why = ""
+            if not inst.verified:
+                await self._verify(inst)
             try:
                 reply = await stub.Check(health_pb2.HealthCheckRequest(service=SERVICE),
                                          timeout=self.timeout_s)

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import httpx
 import structlog
 
@@ -29,8 +30,10 @@ from cluster.etcd_server import EtcdServer
 from cluster.instance import cpu_list, format_cpu_list
 from cluster.ports import free_port
 from cluster.process import ManagedProcess, children_on
+from cluster.secret import ClusterSecret, bind
 from cluster.shape import Shape
 from cluster.workers import WorkerSpec
+from protos import worker_pb2_grpc
 from store.master import StoreClientService, StoreMaster
 
 log = structlog.get_logger(__name__)
@@ -151,6 +154,19 @@ class EmbeddedCluster:
     def token_file(self) -> Path:
         return self.run_dir / "admin.token"
 
+    @property
+    def secret_file(self) -> Path:
+        """The cluster secret of this run (`cluster.secret`), made at start."""
+        return self.run_dir / "cluster.secret"
+
+    def worker_stub(self, address: str, channel: grpc.Channel | None = None
+                    ) -> worker_pb2_grpc.WorkerStub:
+        """A client of the worker at `address` (on `channel`, else a new blocking one)
+        whose calls carry that worker's token."""
+        stub = worker_pb2_grpc.WorkerStub(channel or grpc.insecure_channel(address))
+        secret = ClusterSecret.load(str(self.secret_file))
+        return bind(stub, secret.metadata(address)) if secret else stub
+
     def worker_spec(self) -> WorkerSpec:
         assert self.etcd is not None and self.master is not None, "start() first"
         s, sc = self.spec, self.store_client
@@ -163,7 +179,7 @@ class EmbeddedCluster:
                           pool_store_client=sc.address if sc else "",
                           pool_store_client_segment=sc.segment_name if sc else "",
                           enforce_eager=s.enforce_eager, env=s.worker_env,
-                          machine_cpus=self._machine_cpus)
+                          secret_file=str(self.secret_file), machine_cpus=self._machine_cpus)
 
     # -------------------------------------------------------------- start / stop
 
@@ -185,6 +201,7 @@ class EmbeddedCluster:
 
     def _start_children(self) -> None:
         s = self.spec
+        ClusterSecret.create(self.secret_file)
         self.etcd = EtcdServer(client_port=s.etcd_port or None,
                                data_dir=self.run_dir / "etcd",
                                log_path=self.run_dir / "etcd.log").start()
@@ -231,6 +248,7 @@ class EmbeddedCluster:
         if self.master is not None:
             argv += ["--pool-keys-url", self.master.metrics_url.rsplit("/", 1)[0]]
         env = dict(os.environ)
+        env["KVCLUSTER_CONDUCTOR_SECRET_FILE"] = str(self.secret_file)
         if s.admin_port >= 0:
             self.admin_port = self.admin_port or s.admin_port or free_port()
             if not self.admin_token:

@@ -16,6 +16,7 @@ import structlog
 
 from cluster import keepalive
 from cluster.instance import InstanceInfo, cpu_list
+from cluster.secret import ClusterSecret, bind
 from conductor.scheduler.load import LoadState
 from conductor.snapshot import ClusterSnapshot, InstanceLoad, SchedulerParams
 from protos import worker_pb2_grpc
@@ -44,6 +45,9 @@ class Instance:
     open_until: float = 0.0
     """Circuit breaker: not routed to before this time (monotonic); then half-open: routed
     again, and the next failure opens it at once."""
+    verified: bool = True
+    """It proved it holds the cluster secret (`conductor.health`); False until then when the
+    cluster has one: not routed to."""
 
     @property
     def instance_id(self) -> str:
@@ -57,12 +61,14 @@ class Instance:
 
     @property
     def routable(self) -> bool:
-        return not self.draining and not self.unhealthy and not self.open_until
+        return (not self.draining and not self.unhealthy and not self.open_until
+                and self.verified)
 
     @property
     def state(self) -> str:
-        return ("unhealthy" if self.unhealthy else "draining" if self.draining
-                else "broken" if self.open_until else "serving")
+        return ("unverified" if not self.verified else "unhealthy" if self.unhealthy
+                else "draining" if self.draining else "broken" if self.open_until
+                else "serving")
 
 
 class RegistryListener(Protocol):
@@ -102,7 +108,9 @@ class PerInstance:
 
 
 class Registry:
-    def __init__(self) -> None:
+    def __init__(self, secret: ClusterSecret | None = None) -> None:
+        self.secret = secret
+        """The cluster secret: every worker stub carries its instance's token."""
         self._instances: dict[str, Instance] = {}
         self._listeners: list[RegistryListener] = []
         self._snap: ClusterSnapshot | None = None
@@ -128,7 +136,10 @@ class Registry:
                 load = LoadState(iid, info.role, info.block_size, info.capacity_tokens)
                 load.host, load.threads = info.host, info.threads
                 load.cores, load.gpus = cpu_list(info.cpus), cpu_list(info.gpus)
-                inst = Instance(info, channel, worker_pb2_grpc.WorkerStub(channel), load)
+                stub = worker_pb2_grpc.WorkerStub(channel)
+                if self.secret is not None:
+                    stub = bind(stub, self.secret.metadata(info.address))
+                inst = Instance(info, channel, stub, load, verified=self.secret is None)
                 inst.load.on_change = self._dirty.add
                 self._instances[iid] = inst
                 self._snap = None
@@ -175,6 +186,14 @@ class Registry:
                 log.warning("instance_unhealthy", instance_id=instance_id, why=why)
             else:
                 log.info("instance_healthy", instance_id=instance_id)
+
+    def set_verified(self, instance_id: str) -> None:
+        """The instance proved it holds the cluster secret: routable from now on."""
+        inst = self._instances.get(instance_id)
+        if inst is not None and not inst.verified:
+            inst.verified = True
+            self._snap = None
+            log.info("instance_verified", instance_id=instance_id)
 
     def call_failed(self, instance_id: str, fatal: bool, cooldown_s: float) -> None:
         """A worker call failed. The breaker opens after BREAKER_THRESHOLD failures in a row, at

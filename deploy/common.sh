@@ -11,6 +11,10 @@
 #   KVCLUSTER_POOL_METADATA  Mooncake metadata server URL      (http://127.0.0.1:8080/metadata)
 #   KVCLUSTER_MODEL          local HF model directory, the same path on every node
 #                            (default: the tiny model, built on first use)
+#   KVCLUSTER_SECRET_FILE    the cluster secret the conductor and the workers prove to each
+#                            other, the same file on every node; made (mode 600) when missing
+#                            on the conductor's node or a loopback-only one, else copy it
+#                            there from the conductor's node ($KVCLUSTER_STATE_DIR/cluster.secret)
 #
 # Every script is safe to re-run: a service whose pid file names a live process is left alone
 # (exit 0); a stale pid file is removed and the service started again. deploy/stop.sh stops
@@ -32,7 +36,24 @@ ETCD="${KVCLUSTER_ETCD:-127.0.0.1:2379}"
 POOL_MASTER="${KVCLUSTER_POOL_MASTER:-127.0.0.1:50051}"
 POOL_METADATA="${KVCLUSTER_POOL_METADATA:-http://127.0.0.1:8080/metadata}"
 MODEL="${KVCLUSTER_MODEL:-}"
+SECRET_FILE="${KVCLUSTER_SECRET_FILE:-$STATE_DIR/cluster.secret}"
 mkdir -p "$LOG_DIR" "$STATE_DIR"
+
+# The cluster secret (`cluster/secret.py`), never on a command line. $1 = "make": create it
+# when missing (the conductor's node); otherwise only a loopback-only node may create it.
+need_secret() {
+  if [ ! -s "$SECRET_FILE" ]; then
+    case "${1:-}:$HOST" in
+      make:*|*:127.0.0.1|*:localhost|*:::1) ;;
+      *) echo "no cluster secret at $SECRET_FILE: copy it from the conductor's node" \
+           "(KVCLUSTER_SECRET_FILE)" >&2; exit 1 ;;
+    esac
+    mkdir -p "$(dirname "$SECRET_FILE")"
+    (umask 077 && "$PY" -c 'import secrets; print(secrets.token_urlsafe(32))' >"$SECRET_FILE")
+    echo "cluster secret generated in $SECRET_FILE"
+  fi
+  chmod 600 "$SECRET_FILE" 2>/dev/null || echo "warning: cannot chmod 600 $SECRET_FILE" >&2
+}
 
 # Check the venv and resolve MODEL (building the tiny model when none is given).
 need_python() {

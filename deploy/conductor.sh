@@ -10,6 +10,8 @@
 #                              ($KVCLUSTER_STATE_DIR/admin.token)
 #   KVCLUSTER_ETCD             etcd endpoint the workers register in (127.0.0.1:2379)
 #   KVCLUSTER_MODEL            the tokenizer's model directory, as on the workers
+#   KVCLUSTER_SECRET_FILE      the cluster secret, made when missing; copy it to every
+#                              worker node                    ($KVCLUSTER_STATE_DIR/cluster.secret)
 # Any other conductor setting passes through as KVCLUSTER_CONDUCTOR_<FIELD> (see
 # `python -m conductor --help`), e.g. KVCLUSTER_CONDUCTOR_POLICY, KVCLUSTER_CONDUCTOR_API_KEY.
 # Shared settings: deploy/common.sh.
@@ -28,6 +30,8 @@ if [ ! -s "$TOKEN_FILE" ]; then
 fi
 chmod 600 "$TOKEN_FILE" 2>/dev/null || echo "warning: cannot chmod 600 $TOKEN_FILE" >&2
 export KVCLUSTER_CONDUCTOR_ADMIN_TOKEN_FILE="$TOKEN_FILE"
+need_secret make
+export KVCLUSTER_CONDUCTOR_SECRET_FILE="$SECRET_FILE"
 export KVCLUSTER_CONDUCTOR_ADMIN_HOST="$ADMIN_HOST"
 export KVCLUSTER_CONDUCTOR_ADMIN_PORT="$ADMIN_PORT"
 

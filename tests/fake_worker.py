@@ -19,6 +19,7 @@ import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster.instance import InstanceInfo
+from cluster.secret import ClusterSecret, RequireToken
 from protos import worker_pb2, worker_pb2_grpc
 
 
@@ -64,6 +65,7 @@ class Counts:
     pool_ready_first: list[int | None] = field(default_factory=list)
     """The first token each `PoolReady` carried (None: none)."""
     last_params: worker_pb2.SamplingParams | None = None
+    last_cache_salt: str = ""
     last_pool_wait: worker_pb2.PoolWait | None = None
     prefill_params: worker_pb2.SamplingParams | None = None
     """The sampling parameters of the latest Prefill that asked for the first token."""
@@ -127,6 +129,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.counts.generates += 1
         self.counts.running += 1
         self.counts.last_params = p
+        self.counts.last_cache_salt = request.cache_salt
         self.counts.last_pool_wait = request.pool_wait
         self.counts.request_ids.append(request.request_id)
         sent = 0
@@ -239,8 +242,13 @@ class LocalConductor:
 
     def __init__(self, model_dir: str, roles: tuple[str, ...] = ("prefill", "decode"),
                  knobs: Knobs | None = None, conductor_args: tuple[str, ...] = (),
-                 max_model_len: int = 0) -> None:
+                 max_model_len: int = 0, secret_file: str = "",
+                 impostors: tuple[str, ...] = ()) -> None:
         self.model_dir = model_dir
+        self.secret_file = secret_file
+        """A cluster secret (`cluster.secret`) the conductor and the workers hold, except
+        `impostors` (instance ids), which serve every call and prove nothing."""
+        self.impostors = impostors
         self.max_model_len = max_model_len
         """What the fake workers announce as their engines' context (0: unknown)."""
         self.roles = roles
@@ -300,11 +308,13 @@ class LocalConductor:
         servers, members = [], {}
         seen: dict[str, int] = {}
         pool = FakePool()
+        secret = ClusterSecret.load(self.secret_file)
         for role in self.roles:
             iid = f"{role}-{seen.setdefault(role, 0)}"
             seen[role] += 1
             fake = self.workers[iid] = FakeWorker(self.knobs, pool)
-            server = grpc.aio.server()
+            guard = RequireToken(secret) if secret and iid not in self.impostors else None
+            server = grpc.aio.server(interceptors=[guard] if guard else None)
             worker_pb2_grpc.add_WorkerServicer_to_server(fake, server)
             fake.health = health.aio.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(fake.health, server)
@@ -313,12 +323,14 @@ class LocalConductor:
             await fake.health.set("kvcluster.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
             servers.append(server)
             self.addresses[iid] = f"127.0.0.1:{port}"
+            if guard is not None:
+                guard.bind(self.addresses[iid])
             members[iid] = InstanceInfo(instance_id=iid, role=role, address=f"127.0.0.1:{port}",
                                         model="fake", block_size=32, capacity_tokens=1 << 20,
                                         version="test", max_model_len=self.max_model_len)
         config = parse_args(["--model", self.model_dir, "--etcd", "127.0.0.1:1",
                              "--port", str(self.port), "--kv-events", "false",
-                             *self.conductor_args])
+                             "--secret-file", self.secret_file, *self.conductor_args])
         app = self.app = create_app(config,
                                     membership=lambda on_change: StaticMembership(members))
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,

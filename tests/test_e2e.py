@@ -148,7 +148,7 @@ def test_seeded_requests_prefilled_in_chunks_leave_the_engine_alive(cluster, pro
 
 def _worker_stub(cluster, role: str) -> worker_pb2_grpc.WorkerStub:
     wp = next(w for w in cluster.workers.values() if w.role == role)
-    return worker_pb2_grpc.WorkerStub(grpc.insecure_channel(wp.address))
+    return cluster.worker_stub(wp.address)
 
 
 def _prefill_then_decode(cluster, request_id: str, prompt: list[int], between=None):
@@ -310,6 +310,35 @@ def test_pool_counters_reach_the_conductors_metrics(cluster):
     assert _pool_metric(cluster, seconds, instance=role["decode"], direction="load") > 0
     assert _pool_metric(cluster, "kvcluster_pool_bytes_total", instance=role["decode"],
                         direction="load") > 0
+
+
+def test_a_real_worker_refuses_calls_without_the_cluster_token(cluster):
+    """The embedded cluster's workers hold a secret: a call without their token (or with
+    another worker's) is UNAUTHENTICATED and changes nothing: a refused Generate starts no
+    request, a refused Retire leaves the worker registered and serving."""
+    target, other = list(cluster.workers.values())[:2]
+    calls = (lambda s: s.Retire(worker_pb2.RetireRequest(reason="x"), timeout=10),
+             lambda s: s.Stats(worker_pb2.StatsRequest(), timeout=10),
+             lambda s: next(s.KvEvents(worker_pb2.KvEventsRequest(), timeout=10)),
+             lambda s: list(s.Generate(worker_pb2.GenerateRequest(
+                 request_id=f"auth-{uuid.uuid4().hex}", token_ids=[5] * 40,
+                 params=worker_pb2.SamplingParams(max_tokens=4)), timeout=10)))
+    with grpc.insecure_channel(target.address) as ch:
+        authed = cluster.worker_stub(target.address, ch)
+        before = authed.Stats(worker_pb2.StatsRequest(), timeout=10)
+        for stub in (worker_pb2_grpc.WorkerStub(ch), cluster.worker_stub(other.address, ch)):
+            for call in calls:
+                with pytest.raises(grpc.RpcError) as e:
+                    call(stub)
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        after = authed.Stats(worker_pb2.StatsRequest(), timeout=10)
+    assert (after.requests_total, after.aborted_total) == (before.requests_total,
+                                                            before.aborted_total)
+    r = httpx.post(f"{cluster.url}/v1/completions", timeout=120, json={
+        "prompt": "The ferry waited for the tide. " * 8, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert httpx.get(f"{cluster.url}/health", timeout=10).status_code == 200
+    assert target.process.alive()
 
 
 def test_stopped_decode_worker_leaves_within_lease_ttl_then_503(cluster):

@@ -408,6 +408,36 @@ def test_api_key_guards_v1_only(model_dir):
             "securitySchemes"]
 
 
+def test_tenants_by_api_key_never_share_a_cache_salt(model_dir, tmp_path):
+    """Each key's tenant salts its requests apart: the same prompt (and the same client
+    salt) of two tenants reaches the engines under two salts, a tenant's repeat under one."""
+    keys = tmp_path / "keys"
+    keys.write_text("# key tenant\nka alice\nkb bob\nka2 alice\n")
+    with LocalConductor(model_dir, conductor_args=(
+            "--api-keys-file", str(keys), "--api-key", "root", "--hide-kv-transfer",
+            "true")) as c:
+        def salt(key: str, **extra) -> str:
+            r = httpx.post(f"{c.url}/v1/completions", headers={"authorization": f"Bearer {key}"},
+                           json={"prompt": "the same prompt", "max_tokens": 1,
+                                 **extra}, timeout=30)
+            assert r.status_code == 200, r.text
+            assert "kv_transfer" not in r.json()
+            return c.worker("decode").counts.last_cache_salt
+
+        alice, bob = salt("ka"), salt("kb")
+        assert alice and bob and alice != bob
+        assert salt("ka2") == alice  # two keys, one tenant
+        assert salt("root") == ""  # `--api-key`: the tenant without a salt
+        assert salt("ka", cache_salt="s") not in (alice, salt("kb", cache_salt="s"))
+        assert httpx.post(f"{c.url}/v1/completions", json={"prompt": "x"},
+                          headers={"authorization": "Bearer kc"}).status_code == 401
+    bad = tmp_path / "bad"
+    bad.write_text("lonely-key\n")
+    with pytest.raises(ValueError, match="line 1"):
+        from conductor.auth import load_api_keys
+        load_api_keys(str(bad))
+
+
 def test_metrics_cover_latency_tokens_and_load(client, local, model):
     client.completions.create(model=model, prompt="x", max_tokens=3)
     text = httpx.get(f"{local.url}/metrics").text

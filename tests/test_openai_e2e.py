@@ -15,7 +15,6 @@ import threading
 import time
 from pathlib import Path
 
-import grpc
 import httpx
 import openai
 import pytest
@@ -126,7 +125,7 @@ def test_bad_requests_raise_the_clients_errors(client, model):
 
 
 def _stubs(cluster) -> dict[str, worker_pb2_grpc.WorkerStub]:
-    return {w.role: worker_pb2_grpc.WorkerStub(grpc.insecure_channel(w.address))
+    return {w.role: cluster.worker_stub(w.address)
             for w in cluster.workers.values()}
 
 

@@ -21,7 +21,7 @@ import pytest
 from conftest import BLOCK_SIZE, DTYPE, LEASE_TTL, MAX_MODEL_LEN
 
 from conductor.launcher import ClusterSpec, EmbeddedCluster
-from protos import worker_pb2, worker_pb2_grpc
+from protos import worker_pb2
 from store.block_hash import block_hashes
 
 pytestmark = pytest.mark.engine
@@ -116,8 +116,9 @@ def _at(record: dict) -> float:
 
 def _engine_cache(c: EmbeddedCluster, instance_id: str) -> set[int]:
     """What an engine caches, as its KvEvents stream's opening reset tells a subscriber."""
-    with grpc.insecure_channel(c.workers[instance_id].address) as ch:
-        call = worker_pb2_grpc.WorkerStub(ch).KvEvents(worker_pb2.KvEventsRequest(), timeout=10)
+    address = c.workers[instance_id].address
+    with grpc.insecure_channel(address) as ch:
+        call = c.worker_stub(address, ch).KvEvents(worker_pb2.KvEventsRequest(), timeout=10)
         first = next(call)
         call.cancel()
     assert first.reset

@@ -9,6 +9,7 @@ import uuid
 from dataclasses import dataclass, fields
 
 from cluster.instance import cpu_list
+from cluster.secret import LOOPBACK, ClusterSecret
 
 ROLES = ("prefill", "decode", "both")
 KV_ROLE = {"prefill": "kv_both", "decode": "kv_both", "both": "kv_both"}
@@ -62,6 +63,9 @@ class WorkerConfig:
     `VLLM_CPU_OMP_THREADS_BIND` (`cluster.shape.Engine.home`). "": this process's cores."""
     kv_events: bool = True
     """Publish the engine's prefix-cache changes to the conductor (the `KvEvents` RPC)."""
+    secret_file: str = ""
+    """A file holding the cluster secret (`cluster.secret`): set, every Worker call must
+    carry the token derived from it. Required when the worker binds beyond loopback."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -80,6 +84,10 @@ class WorkerConfig:
         if self.engine_cpus and not cpu_list(self.engine_cpus) <= set(
                 range(os.cpu_count() or 1)):
             raise ValueError(f"engine_cpus: no such cores here: {self.engine_cpus!r}")
+        object.__setattr__(self, "_secret", ClusterSecret.load(self.secret_file))
+        if self.cluster_secret is None and self.host not in LOOPBACK:
+            raise ValueError(f"a worker reachable beyond loopback (host {self.host}) needs a "
+                             "cluster secret (secret_file)")
         if not os.path.isdir(self.model):
             raise ValueError(f"model must be a local model directory: {self.model!r}")
         if not self.served_model_name:
@@ -89,6 +97,10 @@ class WorkerConfig:
         if not self.advertise_host:
             host = socket.gethostname() if self.host in ("0.0.0.0", "::") else self.host
             object.__setattr__(self, "advertise_host", host)
+
+    @property
+    def cluster_secret(self) -> ClusterSecret | None:
+        return self._secret  # type: ignore[attr-defined]
 
     @property
     def kv_role(self) -> str:

@@ -16,6 +16,7 @@ from cluster import keepalive
 from cluster.instance import InstanceInfo, cpu_list, format_cpu_list
 from cluster.logging import configure
 from cluster.membership import Registration
+from cluster.secret import RequireToken
 from protos import worker_pb2_grpc
 from worker.config import WorkerConfig, parse_args
 from worker.engine import Engine
@@ -35,7 +36,10 @@ async def serve(config: WorkerConfig) -> bool:
     engine = Engine(config)
     engine.start()
     servicer = WorkerServicer(engine, config.instance_id, config.role)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *keepalive.SERVER])
+    secret = config.cluster_secret
+    guard = RequireToken(secret) if secret is not None else None
+    server = grpc.aio.server(interceptors=[guard] if guard else None,
+                             options=[("grpc.so_reuseport", 0), *keepalive.SERVER])
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -57,10 +61,12 @@ async def serve(config: WorkerConfig) -> bool:
         max_model_len=config.max_model_len,
         **placement(config.device),
     )
+    if guard is not None:  # Worker calls are refused until here
+        guard.bind(info.address)
     registration = Registration(config.etcd, info, ttl=max(2, round(config.lease_ttl)))
     await registration.start()
     log.info("worker_ready", instance_id=config.instance_id, role=config.role,
-             address=info.address)
+             address=info.address, authenticated=secret is not None)
     print(f"READY {config.instance_id} {info.address}", flush=True)
 
     stop = asyncio.Event()

@@ -31,7 +31,7 @@ import httpx
 from cluster.ports import free_port
 from cluster.process import ManagedProcess
 from conductor.launcher import ClusterSpec, EmbeddedCluster
-from protos import worker_pb2, worker_pb2_grpc
+from protos import worker_pb2
 from store.master import StoreClientService, StoreMaster
 from store.namespace import kv_namespace
 
@@ -128,7 +128,7 @@ def ours(policy: str, e: Engines, run_dir: Path, ttft_slo_s: float, tbt_slo_s: f
         c.stop()
         raise
     channels = {iid: grpc.insecure_channel(w.address) for iid, w in c.workers.items()}
-    stubs = {iid: worker_pb2_grpc.WorkerStub(ch) for iid, ch in channels.items()}
+    stubs = {iid: c.worker_stub(c.workers[iid].address, ch) for iid, ch in channels.items()}
     first_decode = next(iid for iid, w in c.workers.items() if w.role == "decode")
     served_by = _ServedBy(Path(c.run_dir) / "conductor.log")
     tok = _tokenizer(e.model)
