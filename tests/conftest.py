@@ -32,6 +32,8 @@ PROMPTS = {
             "the stars above the frozen lake until the morning bell rang twice. " * 6,
     "never": "Blocks that never arrive are computed: nine barges drifted down the canal while "
              "the lock keeper slept beside his lamp and his dog. " * 6,
+    "stall": "The pool's master stood still while the ferryman rowed across the grey bay "
+             "with three baskets of apples and a sleeping cat. " * 6,
     "long": "While one engine loads a long prompt from the pool, its other streams keep "
             "going: the caravan crossed the desert at night, guided by a single star, and the "
             "merchants sang old songs about rivers they had never seen. " * 19,

@@ -9,6 +9,7 @@ import concurrent.futures
 import math
 import os
 import random
+import signal
 import time
 import uuid
 
@@ -339,6 +340,34 @@ def test_a_real_worker_refuses_calls_without_the_cluster_token(cluster):
     assert r.status_code == 200, r.text
     assert httpx.get(f"{cluster.url}/health", timeout=10).status_code == 200
     assert target.process.alive()
+
+
+def test_a_stopped_pool_master_delays_a_request_by_the_pool_timeout_at_most(
+        cluster, prompt_ids, reference):
+    """The Mooncake master under SIGSTOP (alive, silent): a request the pool has not seen
+    still answers within the pool's op timeout (5 s, once per engine) plus the compute, with
+    the tokens and logprobs of a single engine; after SIGCONT the next request answers too."""
+    pid = cluster.master.pid
+    assert pid is not None
+
+    def complete() -> tuple[httpx.Response, float]:
+        t0 = time.monotonic()
+        r = httpx.post(f"{cluster.url}/v1/completions", timeout=120, json={
+            "prompt": prompt_ids["stall"], "max_tokens": MAX_TOKENS, "temperature": 0,
+            "logprobs": 1, "ignore_eos": True, "return_token_ids": True})
+        return r, time.monotonic() - t0
+
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        r, took = complete()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    for response in (r, complete()[0]):
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        assert_same_output(choice["token_ids"], choice["logprobs"]["token_logprobs"],
+                           reference["stall"])
+    assert took < 2 * 5.0 + 10.0, took
 
 
 def test_stopped_decode_worker_leaves_within_lease_ttl_then_503(cluster):
