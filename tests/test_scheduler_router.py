@@ -76,6 +76,30 @@ async def test_dispatch_counts_load_at_once_and_releases_it_once(model_dir):
     await registry.close()
 
 
+async def test_the_tbt_model_learns_the_steady_gaps_not_the_hand_over(model_dir, monkeypatch):
+    """The first gap of a disaggregated stream is the hand-over from the prefill (seconds when
+    the pool stalls): a TBT sample made of it made the router reject requests on an idle
+    cluster (found by the SIGSTOP-master test)."""
+    router, registry = await _router(model_dir)
+    clock = [100.0]
+    monkeypatch.setattr("conductor.scheduler.router.time",
+                        type("Clock", (), {"monotonic": staticmethod(lambda: clock[0])}))
+    prompt = list(range(100))
+    dispatch = router.route("a", prompt, tuple(block_hashes(prompt, BS)), 16, BS)
+    seen: list[float] = []
+    monkeypatch.setattr(router.tbt_fit, "observe", lambda b, k, tbt, now=None: seen.append(tbt))
+    dispatch.first_token()
+    dispatch.tokens([1])  # the prefill's token
+    clock[0] += 5.0  # the hand-over: the decode waited for the pool
+    dispatch.tokens([2])
+    for t in range(3, 11):
+        clock[0] += 0.01
+        dispatch.tokens([t])
+    dispatch.decode_done()
+    assert seen == [pytest.approx(0.01)]
+    await registry.close()
+
+
 async def test_decode_done_indexes_the_generated_blocks_for_the_next_turn(model_dir):
     router, registry = await _router(model_dir)
     prompt = list(range(100))

@@ -213,6 +213,9 @@ class Dispatch:
     _tokens: int = 0
     _batch_sum: int = 0
     _kv_sum: int = 0
+    _steady_at: float = 0.0
+    """When the second chunk arrived: the token gaps the TBT model learns from start here."""
+    _steady_tokens: int = 0
     _output: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -282,8 +285,11 @@ class Dispatch:
         (one choice's only, when several are sampled)."""
         if not token_ids:
             return
-        self._tokens += len(token_ids)
         self._last_token_at = time.monotonic()
+        if self._tokens and not self._steady_at:
+            self._steady_at = self._last_token_at
+            self._steady_tokens = self._tokens + len(token_ids)
+        self._tokens += len(token_ids)
         d = self.decode.load
         d.decode_progress(self.request_id, len(token_ids))
         self._batch_sum += d.running()
@@ -299,11 +305,13 @@ class Dispatch:
                                                   self.prompt_tail + self._output,
                                                   self.block_size, self.cache_salt))
         self.router.index.store(self.decode.instance_id, hashes)
-        steps = self._tokens - 1
-        if steps >= 2 and self._last_token_at > self._first_token_at:
+        # the gaps after the second chunk: the first gap is the hand-over from the prefill
+        # (or its load) on a disaggregated route, seconds when the pool stalls, not a step
+        steps = self._tokens - self._steady_tokens
+        if self._steady_at and steps >= 2 and self._last_token_at > self._steady_at:
             n = self._tokens
             self.router.tbt_fit.observe(self._batch_sum / n, self._kv_sum / n,
-                                        (self._last_token_at - self._first_token_at) / steps)
+                                        (self._last_token_at - self._steady_at) / steps)
         self.release()
 
     def withdraw(self, instance_id: str) -> None:
