@@ -1,4 +1,4 @@
-from store.block_hash import block_hashes, block_key, root_hash
+from store.block_hash import block_hashes, block_key, from_wire, root_hash, to_wire
 
 
 def test_chained_hash_names_the_whole_prefix():
@@ -26,7 +26,16 @@ def test_salt_separates_tenants_and_is_deterministic():
 def test_known_value_is_stable_across_processes():
     # Pool keys outlive processes: the scheme must not depend on Python's hash seed.
     assert block_hashes(list(range(32)), 32) == block_hashes(list(range(32)), 32)
-    assert block_key("ns", 255) == "ns/00000000000000ff"
+    assert block_key("ns", 255) == "ns/" + "0" * 30 + "ff"
+    assert block_hashes(list(range(32)), 32)[0] == 0x5635E120543FAAB6F8AC95C12E3F6454
+
+
+def test_hashes_are_128_bits_and_cross_the_wire_unchanged():
+    hashes = block_hashes(list(range(320)), 32)
+    assert max(hashes).bit_length() > 64  # not a 64-bit hash widened
+    assert all(h < 1 << 128 for h in hashes)
+    assert from_wire(to_wire(hashes)) == hashes
+    assert all(len(b) == 16 for b in to_wire(hashes))
 
 
 def test_short_and_empty_prompts():

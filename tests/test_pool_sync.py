@@ -14,7 +14,8 @@ from store.pool import MooncakePool, PoolConfig
 
 
 def test_parse_keeps_only_the_given_namespaces():
-    text = "kv-a/00000000000000ff\nkv-b/0000000000000001\nkv-a/zz\nkv-a/0001\njunk\n"
+    text = (f"{block_key('kv-a', 255)}\n{block_key('kv-b', 1)}\nkv-a/zz\nkv-a/0001\n"
+            "kv-a/00000000000000ff\njunk\n")  # the last key: 64 bits, an older scheme's
     assert parse_keys(text, {"kv-a"}) == {255}
     assert parse_keys(text, {"kv-a", "kv-b"}) == {255, 1}
 

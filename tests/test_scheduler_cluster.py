@@ -22,7 +22,7 @@ from conftest import BLOCK_SIZE, DTYPE, LEASE_TTL, MAX_MODEL_LEN
 
 from conductor.launcher import ClusterSpec, EmbeddedCluster
 from protos import worker_pb2
-from store.block_hash import block_hashes
+from store.block_hash import block_hashes, from_wire
 
 pytestmark = pytest.mark.engine
 
@@ -122,7 +122,7 @@ def _engine_cache(c: EmbeddedCluster, instance_id: str) -> set[int]:
         first = next(call)
         call.cancel()
     assert first.reset
-    return set(first.stored)
+    return set(from_wire(first.stored))
 
 
 def test_shared_prefix_goes_where_it_is_cached_and_only_the_rest_is_computed(sched_cluster):

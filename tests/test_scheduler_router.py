@@ -18,7 +18,7 @@ from conductor.scheduler.events import KvEventFollower
 from conductor.scheduler.index import POOL, KVIndex
 from conductor.scheduler.router import Router, kv_block_bytes
 from protos import worker_pb2
-from store.block_hash import block_hashes
+from store.block_hash import block_hashes, from_wire, to_wire
 
 BS = 32
 
@@ -205,9 +205,9 @@ def test_follower_applies_reset_evictions_then_stores():
     index.add_location("p0")
     index.store("p0", [9, 10])
     follower = KvEventFollower(index)
-    follower.apply("p0", worker_pb2.KvEventBatch(reset=True, stored=[1, 2, 3]))
+    follower.apply("p0", worker_pb2.KvEventBatch(reset=True, stored=to_wire([1, 2, 3])))
     assert index.match([9]).local == {} and index.match([1, 2, 3]).local == {"p0": 3}
-    follower.apply("p0", worker_pb2.KvEventBatch(removed=[3], stored=[4]))
+    follower.apply("p0", worker_pb2.KvEventBatch(removed=to_wire([3]), stored=to_wire([4])))
     assert index.match([1, 2, 3]).local == {"p0": 2} and index.match([4]).local == {"p0": 1}
     assert index.blocks(POOL) == 0
 
@@ -237,14 +237,14 @@ async def test_relay_rekeys_vllm_events_into_the_conductors_hashes():
         relay._apply([_stored([b"a", b"b"], None, tokens[:2 * BS], "tenant"),
                       _stored([b"c", b"d"], b"b", tokens[2 * BS:])])
         batch = await anext(stream)
-        assert list(batch.stored) == ours and not batch.reset
+        assert from_wire(batch.stored) == ours and not batch.reset
         relay._apply([BlockRemoved(block_hashes=[b"d"], medium="GPU"),
                       _stored([b"x"], b"unknown", tokens[:BS])])  # parent never seen: skipped
         batch = await anext(stream)
-        assert list(batch.removed) == ours[3:] and not batch.stored
+        assert from_wire(batch.removed) == ours[3:] and not batch.stored
         assert relay.untranslatable == 1
         late = relay.stream()  # a new subscriber starts from everything cached now
-        assert set((await anext(late)).stored) == set(ours[:3])
+        assert set(from_wire((await anext(late)).stored)) == set(ours[:3])
         relay._apply([AllBlocksCleared()])
         assert (await anext(stream)).reset and relay.blocks() == 0
         await asyncio.wait_for(late.aclose(), 1)

@@ -27,7 +27,7 @@ from typing import Any
 import structlog
 
 from protos import worker_pb2
-from store.block_hash import extend_hashes
+from store.block_hash import extend_hashes, to_wire
 
 log = structlog.get_logger(__name__)
 
@@ -126,7 +126,8 @@ class KvEventRelay:
                 removed.clear()
                 reset = True
         if reset or stored or removed:
-            self._publish(worker_pb2.KvEventBatch(reset=reset, stored=stored, removed=removed))
+            self._publish(worker_pb2.KvEventBatch(reset=reset, stored=to_wire(stored),
+                                                  removed=to_wire(removed)))
 
     def _translate(self, ev: Any) -> list[int]:
         bs = ev.block_size or self.block_size
@@ -160,7 +161,7 @@ class KvEventRelay:
         q: asyncio.Queue = asyncio.Queue(maxsize=_QUEUE_MAX)
         self._subscribers.add(q)
         try:
-            yield worker_pb2.KvEventBatch(reset=True, stored=list(self._ours.values()))
+            yield worker_pb2.KvEventBatch(reset=True, stored=to_wire(self._ours.values()))
             while (batch := await q.get()) is not None:
                 yield batch
         finally:

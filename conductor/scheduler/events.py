@@ -17,6 +17,7 @@ import structlog
 
 from conductor.scheduler.index import KVIndex
 from protos import worker_pb2
+from store.block_hash import from_wire
 
 log = structlog.get_logger(__name__)
 
@@ -84,8 +85,8 @@ class KvEventFollower:
             self.index.clear(iid)
             log.info("kv_events_reset", instance_id=iid, blocks=len(batch.stored))
         if batch.removed:
-            self.index.remove(iid, batch.removed)
+            self.index.remove(iid, from_wire(batch.removed))
             self.removed += len(batch.removed)
         if batch.stored:
-            self.index.store(iid, batch.stored)
+            self.index.store(iid, from_wire(batch.stored))
             self.stored += len(batch.stored)

@@ -14,7 +14,7 @@ Memory is bounded: two generations of at most `max_blocks / 2` entries each. Sto
 block puts it in the young generation; when that is full, the old one is dropped whole and
 the young one becomes old, so the least recently stored blocks go first, at O(1) amortised
 cost and without holes in the tables (forgetting a block only makes the scheduler
-under-estimate a hit). Per block: a dict entry, a 64-bit int key, and a mask object shared
+under-estimate a hit). Per block: a dict entry, a 128-bit int key, and a mask object shared
 with every block held by the same locations; `make bench-sched` reports the bytes.
 """
 
@@ -34,7 +34,7 @@ POOL = "/pool"
 """The pool's location name (instance ids never contain '/')."""
 
 _INTERN_MAX = 1 << 18
-_INT64_BYTES = sys.getsizeof(1 << 63)
+_HASH_INT_BYTES = sys.getsizeof(1 << 127)
 _EMPTY = PrefixMatch()
 
 
@@ -98,10 +98,10 @@ class KVIndex:
         return len(self._young) + len(self._old)
 
     def memory_bytes(self) -> int:
-        """What the index holds in memory: its hash tables and the 64-bit hash ints (the
+        """What the index holds in memory: its hash tables and the 128-bit hash ints (the
         masks are shared between blocks of the same locations)."""
         tables = sum(sys.getsizeof(d) for d in (self._young, self._old, self._predicted))
-        return tables + len(self) * _INT64_BYTES
+        return tables + len(self) * _HASH_INT_BYTES
 
     def take_changed(self) -> list[str]:
         """The locations whose block count changed since the last call."""

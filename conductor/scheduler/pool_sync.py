@@ -17,6 +17,7 @@ import httpx
 import structlog
 
 from conductor.scheduler.index import POOL, KVIndex
+from store.block_hash import HASH_BYTES
 
 log = structlog.get_logger(__name__)
 
@@ -26,7 +27,7 @@ def parse_keys(text: str, namespaces: set[str]) -> set[int]:
     out = set()
     for line in text.splitlines():
         ns, sep, digest = line.strip().rpartition("/")
-        if sep and ns in namespaces and len(digest) == 16:
+        if sep and ns in namespaces and len(digest) == 2 * HASH_BYTES:
             with contextlib.suppress(ValueError):
                 out.add(int(digest, 16))
     return out
