@@ -8,12 +8,22 @@ sharing long prefixes, half streamed) while a fault schedule runs, one fault at 
   prefill  kill -9 a prefill worker (one with prefills queued, when there is one), start one
   store    kill -9 the Mooncake master, restart it on the same ports a few seconds later
   etcd     stop etcd, start it again after 2x the lease TTL
+  stall_decode  SIGSTOP a decode worker with streams on it for 15 s (past the inter-token
+           deadline: its streams move on), then SIGCONT
+  stall_store   SIGSTOP the Mooncake master for 8 s (past the pool's timeout), then SIGCONT
+
+Two requests in every five share their client request id (`request_id`): each must still get
+its own, right answer.
 
 Every answer is compared with a single-engine greedy reference (tests/reference_engine.py,
 computed before the cluster starts and cached in the run dir) and classified as ok,
 clean_error, wrong, hung or lost (docs/reliability.md). The last line printed is
 
-  chaos total=<n> ok=<n> clean_errors=<n> hung=<n> lost=<n> wrong=<n> migrated=<n> fallbacks=<n>
+  chaos total=<n> ok=<n> clean_errors=<n> hung=<n> lost=<n> wrong=<n> migrated=<n>
+  fallbacks=<n> stalled=<n>
+
+(one line; `stalled`: the conductor's `decode_stalled` log lines, streams it moved on after
+their inter-token deadline.)
 """
 
 from __future__ import annotations
@@ -56,7 +66,15 @@ LOGPROB_TOL = 1e-3
 diagnostic of a wrong KV prefix (the tiny model's greedy tokens seldom flip when an early
 block is wrong, its logprobs do), reported beside the classes, not one of them."""
 CLASSES = ("ok", "clean_error", "wrong", "hung", "lost")
-FAULTS = ("decode", "prefill", "store", "etcd")
+FAULTS = ("decode", "prefill", "store", "etcd", "stall_decode", "stall_store")
+STALL_DECODE_S = 15.0
+"""How long a decode worker stands still (SIGSTOP): past the conductor's inter-token deadline
+(`--stall-timeout-s`, 10 s by default here), so its streams move on."""
+STALL_STORE_S = 8.0
+"""How long the Mooncake master stands still: past the pool's op timeout (5 s)."""
+DUPLICATE_EVERY = 5
+"""Requests 5k and 5k+1 send the same client request id (`request_id`): ordinary (a retry, a
+copied snippet), and each must get its own answer."""
 MEMBERSHIP_PREFIX = "/kvcluster/instances/"
 
 
@@ -211,9 +229,11 @@ def _compare(res: Result, ids: list[int], lps: list[float | None], ref: dict,
 def run_one(client: httpx.Client, url: str, req: Req, ref: dict, deadline_s: float,
             t_base: float, slo_ms: float) -> Result:
     res = Result(req.index, req.stream, req.group)
+    shared = req.index % DUPLICATE_EVERY < 2  # a pair sharing its client id
+    client_id = f"chaos-dup-{req.index // DUPLICATE_EVERY}" if shared else f"chaos-{req.index}"
     body = {"prompt": list(req.prompt), "max_tokens": req.max_tokens, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True, "logprobs": 1, "stream": req.stream,
-            "request_id": f"chaos-{req.index}"}
+            "request_id": client_id}
     if slo_ms > 0:  # admission by SLO off: a 429 from a slow shared CPU is not a fault's doing
         body["ttft_slo_ms"] = body["tbt_slo_ms"] = slo_ms
     t0 = time.monotonic()
@@ -526,6 +546,33 @@ class Chaos:
         self.stop.wait(2.0)
         self.event("store", "recovered", f"{len(self.admin.serving())} instances serving")
 
+    def _stall_decode(self) -> None:
+        iid, load = self._pick("decode", "running")
+        process = self.cluster.workers[iid].process
+        process.signal_group(signal.SIGSTOP)
+        self.event("stall_decode", "SIGSTOP", f"{iid} pid {process.pid} for "
+                   f"{STALL_DECODE_S:.0f}s ({load})")
+        self.stop.wait(STALL_DECODE_S)
+        process.signal_group(signal.SIGCONT)
+        self.event("stall_decode", "SIGCONT", iid)
+        t0 = time.monotonic()
+        ok = wait_until(lambda: iid in self.admin.serving(), 120, every=0.5, stop=self.stop)
+        self.event("stall_decode", "recovered" if ok else "not_recovered",
+                   f"{iid} serving after {time.monotonic() - t0:.1f}s")
+
+    def _stall_store(self) -> None:
+        master = self.cluster.master
+        assert master is not None and master.pid is not None
+        pid = master.pid
+        os.kill(pid, signal.SIGSTOP)
+        self.event("stall_store", "SIGSTOP", f"mooncake_master pid {pid} for "
+                   f"{STALL_STORE_S:.0f}s")
+        self.stop.wait(STALL_STORE_S)
+        os.kill(pid, signal.SIGCONT)
+        self.stop.wait(2.0)
+        self.event("stall_store", "recovered", f"SIGCONT; {len(self.admin.serving())} "
+                   "instances serving")
+
     def _etcd(self) -> None:
         etcd = self.cluster.etcd
         assert etcd is not None
@@ -595,7 +642,7 @@ def _group_key(cls: str, status: int, detail: str) -> str:
 
 
 def summarize(results: list[Result], chaos: Chaos, metrics: dict, args: argparse.Namespace,
-              elapsed: float) -> dict:
+              elapsed: float, stalled: int = 0) -> dict:
     counts = Counter(r.cls for r in results)
     ok = [r for r in results if r.cls == "ok"]
     lat = [r.t_end - r.t_start for r in ok]
@@ -639,6 +686,7 @@ def summarize(results: list[Result], chaos: Chaos, metrics: dict, args: argparse
         "ok_by_tie": [{"request": r.index, "position": r.tie_at} for r in results
                       if r.cls == "ok" and r.tie_at is not None],
         "migrated": int(metrics.get("stream_migrations", 0)),
+        "stalled": stalled,
         "fallbacks_total": int(metrics.get("fallbacks_total", 0)),
         "retries_total": int(metrics.get("retries_total", 0)),
         "metrics": metrics,
@@ -826,7 +874,9 @@ def main(argv: list[str] | None = None) -> int:
     assert chaos is not None
     elapsed = time.monotonic() - t_traffic
     results.sort(key=lambda r: r.index)
-    summary = summarize(results, chaos, metrics, args, elapsed)
+    log = Path(cluster_dir, "conductor.log")
+    stalled = log.read_text(errors="replace").count("decode_stalled") if log.exists() else 0
+    summary = summarize(results, chaos, metrics, args, elapsed, stalled)
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=1) + "\n")
@@ -836,7 +886,7 @@ def main(argv: list[str] | None = None) -> int:
     fallbacks = summary["fallbacks_total"] + summary["retries_total"]
     print(f"chaos total={summary['total']} ok={c['ok']} clean_errors={c['clean_error']} "
           f"hung={c['hung']} lost={c['lost']} wrong={c['wrong']} "
-          f"migrated={summary['migrated']} fallbacks={fallbacks}", flush=True)
+          f"migrated={summary['migrated']} fallbacks={fallbacks} stalled={stalled}", flush=True)
     return 0
 
 
