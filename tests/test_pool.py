@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-import store.pool as pool_module
+import store.pool.mooncake as pool_module
 from cluster.ports import free_port
 from cluster.process import ManagedProcess
 from store.master import StoreMaster
