@@ -1,8 +1,12 @@
 """A real single-node etcd on loopback, for the embedded cluster, outage tests and development.
 
-Everything binds 127.0.0.1 only. The data dir survives `stop()`/`kill()` so that `restart()`
-brings back the same keys and leases on the same ports; `close()` (or leaving the context
-manager) also removes a data dir that this object created.
+Everything binds 127.0.0.1 only. Optionally with TLS (`tls`: `cluster.certs` files; clients
+then need the client certificate too, etcd's `--client-cert-auth`) and auth
+(`enable_auth`: a user with read-write on one key prefix, the rest refused).
+
+The data dir survives `stop()`/`kill()` so that `restart()` brings back the same keys and
+leases on the same ports; `close()` (or leaving the context manager) also removes a data dir
+that this object created.
 
 Start it from a long-lived thread (normally the main one): the child gets PR_SET_PDEATHSIG,
 which fires when the *thread* that forked it exits, so etcd started from a short-lived thread
@@ -20,6 +24,7 @@ import json
 import os
 import shutil
 import signal
+import ssl
 import sys
 import tempfile
 import time
@@ -35,6 +40,8 @@ _SPAWN_ATTEMPTS = 3
 
 if TYPE_CHECKING:
     from typing import Self
+
+    from cluster.certs import CertFiles
 
 
 def etcd_binary() -> str:
@@ -69,6 +76,7 @@ class EtcdServer:
         name: str = "kvcluster-etcd",
         start_timeout: float = 20.0,
         extra_args: list[str] | None = None,
+        tls: CertFiles | None = None,
     ) -> None:
         self._fixed_ports = client_port is not None or peer_port is not None
         self.client_port = client_port or free_port(self.host)
@@ -85,6 +93,7 @@ class EtcdServer:
         self.name = name
         self.start_timeout = start_timeout
         self.extra_args = list(extra_args or [])
+        self.tls = tls
         self._proc: ManagedProcess | None = None
 
     @property
@@ -93,7 +102,7 @@ class EtcdServer:
 
     @property
     def client_url(self) -> str:
-        return f"http://{self.endpoint}"
+        return f"{'https' if self.tls else 'http'}://{self.endpoint}"
 
     def _argv(self) -> list[str]:
         peer_url = f"http://{self.host}:{self.peer_port}"
@@ -107,8 +116,28 @@ class EtcdServer:
             "--initial-advertise-peer-urls", peer_url,
             "--initial-cluster", f"{self.name}={peer_url}",
             "--initial-cluster-state", "new",  # ignored when the data dir already has a member
+            *self._tls_args(),
             *self.extra_args,
         ]  # fmt: skip
+
+    def _tls_args(self) -> list[str]:
+        if self.tls is None:
+            return []
+        return ["--cert-file", str(self.tls.server_cert), "--key-file", str(self.tls.server_key),
+                "--trusted-ca-file", str(self.tls.ca), "--client-cert-auth"]
+
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        if self.tls is None:
+            return None
+        ctx = ssl.create_default_context(cafile=str(self.tls.ca))
+        ctx.load_cert_chain(str(self.tls.client_cert), str(self.tls.client_key))
+        return ctx
+
+    def enable_auth(self, user: str, password: str, prefix: str) -> str:
+        """`cluster.etcd_auth.enable_auth` on this server; returns the root password."""
+        from cluster.etcd_auth import enable_auth
+
+        return enable_auth(self.endpoint, self.tls, user, password, prefix)
 
     def _env(self) -> dict[str, str]:
         # etcd reads ETCD_* variables as flags; a stray one would change or break this server.
@@ -166,7 +195,8 @@ class EtcdServer:
     def healthy(self, timeout: float = 1.0) -> bool:
         """True if etcd answers GET /health with health=true (it has a leader and serves)."""
         try:
-            with urllib.request.urlopen(f"{self.client_url}/health", timeout=timeout) as resp:
+            with urllib.request.urlopen(f"{self.client_url}/health", timeout=timeout,
+                                        context=self._ssl_context()) as resp:
                 return json.loads(resp.read()).get("health") == "true"
         except (OSError, ValueError, urllib.error.URLError):
             return False

@@ -19,6 +19,7 @@ import aetcd
 import grpc
 import structlog
 
+from cluster.etcd_access import EtcdAccess
 from cluster.instance import InstanceInfo
 
 if TYPE_CHECKING:
@@ -54,17 +55,8 @@ async def _bounded(aw: Awaitable[Any], timeout: float) -> Any:
     return await asyncio.wait_for(aw, timeout)
 
 
-def _split_endpoint(endpoint: str) -> tuple[str, int]:
-    hostport = endpoint.split("://", 1)[-1].rstrip("/")
-    host, sep, port = hostport.rpartition(":")
-    if not (sep and host and port.isdigit()):
-        raise ValueError(f"etcd endpoint must be host:port, not {endpoint!r}")
-    return host, int(port)
-
-
-def _new_client(endpoint: str, rpc_timeout: float) -> aetcd.Client:
-    host, port = _split_endpoint(endpoint)
-    return aetcd.Client(host=host, port=port, timeout=rpc_timeout, options=dict(_GRPC_OPTIONS))
+def _new_client(access: EtcdAccess, rpc_timeout: float) -> aetcd.Client:
+    return access.client(rpc_timeout, dict(_GRPC_OPTIONS))
 
 
 async def _close_client(client: aetcd.Client | None, timeout: float) -> None:
@@ -92,9 +84,9 @@ class _Backoff:
 class _EtcdUser:
     """Shared plumbing: one replaceable client, calls bounded in time, one background task."""
 
-    def __init__(self, endpoint: str, prefix: str, rpc_timeout: float) -> None:
-        _split_endpoint(endpoint)  # fail early on a malformed endpoint
-        self.endpoint = endpoint
+    def __init__(self, etcd: str | EtcdAccess, prefix: str, rpc_timeout: float) -> None:
+        self.access = etcd if isinstance(etcd, EtcdAccess) else EtcdAccess(etcd)
+        self.endpoint = self.access.endpoint
         self.prefix = prefix
         self.rpc_timeout = rpc_timeout
         self._client: aetcd.Client | None = None
@@ -102,7 +94,7 @@ class _EtcdUser:
 
     def _conn(self) -> aetcd.Client:
         if self._client is None:
-            self._client = _new_client(self.endpoint, self.rpc_timeout)
+            self._client = _new_client(self.access, self.rpc_timeout)
         return self._client
 
     async def _call(self, coro: Awaitable[Any]) -> Any:
@@ -136,7 +128,7 @@ class Registration(_EtcdUser):
 
     def __init__(
         self,
-        endpoint: str,
+        etcd: str | EtcdAccess,
         info: InstanceInfo,
         *,
         ttl: int = 5,
@@ -144,7 +136,7 @@ class Registration(_EtcdUser):
         rpc_timeout: float = 2.0,
         max_backoff: float = 1.0,
     ) -> None:
-        super().__init__(endpoint, prefix, rpc_timeout)
+        super().__init__(etcd, prefix, rpc_timeout)
         self.info = info
         self.ttl = ttl
         self.key = f"{prefix}{info.instance_id}"
@@ -291,7 +283,7 @@ class MembershipWatcher(_EtcdUser):
 
     def __init__(
         self,
-        endpoint: str,
+        etcd: str | EtcdAccess,
         *,
         prefix: str = DEFAULT_PREFIX,
         on_change: MembersCallback | None = None,
@@ -299,7 +291,7 @@ class MembershipWatcher(_EtcdUser):
         probe_interval: float = 2.0,
         max_backoff: float = 1.0,
     ) -> None:
-        super().__init__(endpoint, prefix, rpc_timeout)
+        super().__init__(etcd, prefix, rpc_timeout)
         self._prefix_bytes = prefix.encode()
         self._on_change = on_change
         self._probe_interval = probe_interval

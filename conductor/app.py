@@ -95,7 +95,7 @@ class Conductor:
         self.pipeline.metrics = self.metrics
         self.metrics.tracing = Tracing.from_config(config.otel_endpoint)
         make = membership or (lambda on_change: MembershipWatcher(
-            config.etcd, prefix=config.membership_prefix, on_change=on_change))
+            config.etcd_access, prefix=config.membership_prefix, on_change=on_change))
         self.watcher = make(self._on_members)
         self.started = int(time.time())
         self.health: HealthChecker | None = None

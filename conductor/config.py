@@ -6,6 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass, fields
 
+from cluster.etcd_access import EtcdAccess
 from cluster.secret import LOOPBACK, ClusterSecret
 from conductor.auth import load_api_keys
 from conductor.policy import DEFAULT_POLICY
@@ -79,6 +80,8 @@ class ConductorConfig:
     """A file holding the cluster secret (`cluster.secret`): set, every Worker call carries
     the token derived from it and an instance is routed to only once it proved it holds the
     same secret. Empty: the worker plane is open (loopback-only clusters)."""
+    etcd_access_file: str = ""
+    """etcd's TLS material and user (`cluster.etcd_access`, a TOML file); empty: plain etcd."""
     embedded_workers: str = ""
     """Embedded mode: a `cluster.workers.WorkerSpec` JSON file; ResizePool then starts worker
     processes on this machine. Empty: a deployed cluster (drain and switch only)."""
@@ -118,6 +121,10 @@ class ConductorConfig:
     @property
     def cluster_secret(self) -> ClusterSecret | None:
         return self._secret  # type: ignore[attr-defined]
+
+    @property
+    def etcd_access(self) -> EtcdAccess:
+        return self._etcd_access  # type: ignore[attr-defined]
 
     def stall_s(self, tbt_slo_s: float | None) -> float:
         """The inter-chunk deadline of a decode stream whose TBT SLO is `tbt_slo_s`."""
@@ -159,6 +166,8 @@ class ConductorConfig:
             raise ValueError("an admin API reachable beyond loopback needs an admin token "
                              "(admin_token_file)")
         object.__setattr__(self, "_secret", ClusterSecret.load(self.secret_file))
+        object.__setattr__(self, "_etcd_access", EtcdAccess.load(self.etcd,
+                                                                 self.etcd_access_file))
         object.__setattr__(self, "_keys", load_api_keys(self.api_keys_file, self.api_key))
         if self.embedded_workers and not os.path.isfile(self.embedded_workers):
             raise ValueError(f"embedded_workers is not a file: {self.embedded_workers!r}")
@@ -188,4 +197,7 @@ def parse_args(argv: list[str] | None = None) -> ConductorConfig:
     for required in ("model", "etcd"):
         if required not in kwargs:
             p.error(f"missing --{required}")
-    return ConductorConfig(**kwargs)
+    try:
+        return ConductorConfig(**kwargs)
+    except ValueError as e:  # a bad setting: one line naming it, not a traceback
+        p.error(str(e))

@@ -15,6 +15,10 @@
 #                            other, the same file on every node; made (mode 600) when missing
 #                            on the conductor's node or a loopback-only one, else copy it
 #                            there from the conductor's node ($KVCLUSTER_STATE_DIR/cluster.secret)
+#   KVCLUSTER_ETCD_ACCESS    etcd's TLS material and user (`cluster/etcd_access.py`), used when
+#                            the file exists; deploy/etcd.sh writes it (with
+#                            KVCLUSTER_ETCD_SECURE=1): copy its directory to every other node
+#                            ($KVCLUSTER_STATE_DIR/etcd-access/access.toml)
 #
 # Every script is safe to re-run: a service whose pid file names a live process is left alone
 # (exit 0); a stale pid file is removed and the service started again. deploy/stop.sh stops
@@ -37,6 +41,7 @@ POOL_MASTER="${KVCLUSTER_POOL_MASTER:-127.0.0.1:50051}"
 POOL_METADATA="${KVCLUSTER_POOL_METADATA:-http://127.0.0.1:8080/metadata}"
 MODEL="${KVCLUSTER_MODEL:-}"
 SECRET_FILE="${KVCLUSTER_SECRET_FILE:-$STATE_DIR/cluster.secret}"
+ETCD_ACCESS="${KVCLUSTER_ETCD_ACCESS:-$STATE_DIR/etcd-access/access.toml}"
 mkdir -p "$LOG_DIR" "$STATE_DIR"
 
 # The cluster secret (`cluster/secret.py`), never on a command line. $1 = "make": create it
@@ -53,6 +58,16 @@ need_secret() {
     echo "cluster secret generated in $SECRET_FILE"
   fi
   chmod 600 "$SECRET_FILE" 2>/dev/null || echo "warning: cannot chmod 600 $SECRET_FILE" >&2
+}
+
+# Export the etcd access file as the setting $1 (e.g. KVCLUSTER_WORKER_ETCD_ACCESS_FILE) when
+# there is one; an explicitly named file that is missing is an error.
+etcd_access() {
+  if [ -f "$ETCD_ACCESS" ]; then
+    export "$1=$ETCD_ACCESS"
+  elif [ -n "${KVCLUSTER_ETCD_ACCESS:-}" ]; then
+    echo "KVCLUSTER_ETCD_ACCESS names no file: $ETCD_ACCESS" >&2; exit 1
+  fi
 }
 
 # Check the venv and resolve MODEL (building the tiny model when none is given).

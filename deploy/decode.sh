@@ -19,6 +19,7 @@ source "$(dirname "$0")/common.sh"
 need_model
 need_secret
 export KVCLUSTER_WORKER_SECRET_FILE="$SECRET_FILE"
+etcd_access KVCLUSTER_WORKER_ETCD_ACCESS_FILE
 ID="${KVCLUSTER_INSTANCE_ID:-$(hostname)-decode}"
 export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-nobind}"
 start_once "$ID" "$PY" -m decode_worker --model "$MODEL" --etcd "$ETCD" \

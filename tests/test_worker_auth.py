@@ -92,13 +92,14 @@ def test_a_worker_refuses_calls_without_its_token_before_anything_runs(model_dir
             assert fake.counts.prefills == 1
 
 
-def test_a_worker_reachable_beyond_loopback_needs_a_secret(model_dir, secret_file):
+def test_a_worker_reachable_beyond_loopback_needs_a_secret(model_dir, secret_file, capsys):
     from worker.config import parse_args
 
     base = ["--model", model_dir, "--etcd", "127.0.0.1:1", "--pool-master", "127.0.0.1:1",
             "--pool-metadata", "http://127.0.0.1:1/metadata"]
-    with pytest.raises(ValueError, match="cluster secret"):
+    with pytest.raises(SystemExit):
         parse_args([*base, "--host", "0.0.0.0"], "decode")
+    assert "needs a cluster secret" in capsys.readouterr().err
     config = parse_args([*base, "--host", "0.0.0.0", "--secret-file", secret_file], "decode")
     assert config.cluster_secret is not None
     assert parse_args(base, "decode").cluster_secret is None

@@ -8,6 +8,7 @@ import socket
 import uuid
 from dataclasses import dataclass, fields
 
+from cluster.etcd_access import EtcdAccess
 from cluster.instance import cpu_list
 from cluster.secret import LOOPBACK, ClusterSecret
 
@@ -66,6 +67,8 @@ class WorkerConfig:
     secret_file: str = ""
     """A file holding the cluster secret (`cluster.secret`): set, every Worker call must
     carry the token derived from it. Required when the worker binds beyond loopback."""
+    etcd_access_file: str = ""
+    """etcd's TLS material and user (`cluster.etcd_access`, a TOML file); empty: plain etcd."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -85,6 +88,8 @@ class WorkerConfig:
                 range(os.cpu_count() or 1)):
             raise ValueError(f"engine_cpus: no such cores here: {self.engine_cpus!r}")
         object.__setattr__(self, "_secret", ClusterSecret.load(self.secret_file))
+        object.__setattr__(self, "_etcd_access", EtcdAccess.load(self.etcd,
+                                                                 self.etcd_access_file))
         if self.cluster_secret is None and self.host not in LOOPBACK:
             raise ValueError(f"a worker reachable beyond loopback (host {self.host}) needs a "
                              "cluster secret (secret_file)")
@@ -101,6 +106,10 @@ class WorkerConfig:
     @property
     def cluster_secret(self) -> ClusterSecret | None:
         return self._secret  # type: ignore[attr-defined]
+
+    @property
+    def etcd_access(self) -> EtcdAccess:
+        return self._etcd_access  # type: ignore[attr-defined]
 
     @property
     def kv_role(self) -> str:
@@ -133,4 +142,7 @@ def parse_args(argv: list[str] | None, role: str) -> WorkerConfig:
     missing = [n for n in ("model", "etcd", "pool_master", "pool_metadata") if n not in kwargs]
     if missing:
         p.error("missing: " + ", ".join("--" + m.replace("_", "-") for m in missing))
-    return WorkerConfig(**kwargs)
+    try:
+        return WorkerConfig(**kwargs)
+    except ValueError as e:  # a bad setting: one line naming it, not a traceback
+        p.error(str(e))

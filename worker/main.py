@@ -63,7 +63,7 @@ async def serve(config: WorkerConfig) -> bool:
     )
     if guard is not None:  # Worker calls are refused until here
         guard.bind(info.address)
-    registration = Registration(config.etcd, info, ttl=max(2, round(config.lease_ttl)))
+    registration = Registration(config.etcd_access, info, ttl=max(2, round(config.lease_ttl)))
     await registration.start()
     log.info("worker_ready", instance_id=config.instance_id, role=config.role,
              address=info.address, authenticated=secret is not None)
