@@ -21,10 +21,15 @@ from collections.abc import Callable
 
 import structlog
 
-from conductor.policy import POLICIES
-from conductor.scheduler.index import POOL, KVIndex
-from conductor.scheduler.load import LoadState
-from conductor.snapshot import ClusterSnapshot, RouteRequest, SchedulerParams
+from conductor.scheduler import (
+    POLICIES,
+    POOL,
+    ClusterSnapshot,
+    KVIndex,
+    LoadState,
+    RouteRequest,
+    SchedulerParams,
+)
 from store.block_hash import block_hashes
 
 BLOCK = 32

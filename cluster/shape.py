@@ -33,6 +33,12 @@ from dataclasses import dataclass
 
 from cluster.instance import cpu_list, format_cpu_list
 
+SPIN_ENV = "KVCLUSTER_ENGINE_SPIN_S"
+"""How long an engine's vLLM processes busy-wait for the next message (`Engine.busy_wait`)."""
+BACKGROUND_ENV = "KVCLUSTER_ENGINE_BACKGROUND"
+"""Set: the engine runs at SCHED_IDLE (`Engine.background`). Both are read in every vLLM
+process of the engine by `worker/vllm_plugin.py`."""
+
 RESERVED_CORES = 1
 """Cores kept for the serving processes when there is more than one."""
 CORES_PER_ENGINE = 8

@@ -11,8 +11,7 @@ from pathlib import Path
 
 from cluster.ports import free_port
 from cluster.process import ManagedProcess
-from cluster.shape import Engine
-from worker.vllm_plugin import BACKGROUND_ENV, SPIN_ENV
+from cluster.shape import BACKGROUND_ENV, SPIN_ENV, Engine
 
 ROLES = ("prefill", "decode", "both")
 CPU_ENGINE_SPIN_S = "0.01"

@@ -9,8 +9,8 @@ from dataclasses import dataclass, fields
 from cluster.etcd_access import EtcdAccess
 from cluster.secret import LOOPBACK, ClusterSecret
 from conductor.auth import load_api_keys
-from conductor.policy import DEFAULT_POLICY
-from conductor.policy import POLICIES as _POLICY_TABLE
+from conductor.scheduler.policy import DEFAULT_POLICY
+from conductor.scheduler.policy import POLICIES as _POLICY_TABLE
 
 POLICIES = tuple(_POLICY_TABLE)
 DISAGGREGATE = ("auto", "always", "never")

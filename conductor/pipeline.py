@@ -48,7 +48,7 @@ from conductor.resilience import (
     rpc_failure,
     stalled,
 )
-from conductor.scheduler.router import Dispatch, Router
+from conductor.router import Dispatch, Router
 from conductor.timeline import Timeline
 from conductor.tokenizer import Tokenizer
 from protos import worker_pb2

@@ -18,7 +18,7 @@ from cluster import keepalive
 from cluster.instance import InstanceInfo, cpu_list
 from cluster.secret import ClusterSecret, bind
 from conductor.scheduler.load import LoadState
-from conductor.snapshot import ClusterSnapshot, InstanceLoad, SchedulerParams
+from conductor.scheduler.snapshot import ClusterSnapshot, InstanceLoad, SchedulerParams
 from protos import worker_pb2_grpc
 
 log = structlog.get_logger(__name__)

@@ -1,5 +1,5 @@
 """A discrete-event simulator of a prefill/decode cluster that drives the conductor's real
-routing policies through `conductor.snapshot`, one concept per module:
+routing policies through `conductor.scheduler.snapshot`, one concept per module:
 
 - `trace.py`: Mooncake-format traces, block-size mapping, load scaling, reuse thinning
 - `profile.py`: latency profiles as data (JSON), and the paper's cost model that makes one

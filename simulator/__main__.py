@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from conductor.policy import POLICIES
+from conductor.scheduler import POLICIES
 from simulator.cluster import ClusterSpec
 from simulator.profile import load_profile
 from simulator.report import metrics_rows, plot_lines, plot_ttft_cdf, summarize, write_rows

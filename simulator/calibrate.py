@@ -18,8 +18,7 @@ import time
 
 import numpy as np
 
-from conductor.scheduler.decode_model import TbtModel
-from conductor.scheduler.prefill_model import PrefillTimeModel, features
+from conductor.scheduler import PrefillTimeModel, TbtModel, prefill_features
 from simulator.profile import PROFILES, LatencyProfile
 
 
@@ -52,7 +51,7 @@ def measure(model: str, block_size: int = 32) -> LatencyProfile:
             if cached:
                 _timed(llm, [prefix], 1)
             ys.append(_timed(llm, [prefix + toks(uncached)], 1))
-            rows.append(features(uncached, cached))
+            rows.append(prefill_features(uncached, cached))
     pre = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)[0].clip(min=0)
     rows, ys = [], []
     for batch in (1, 4, 16):

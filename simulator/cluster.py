@@ -12,8 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from conductor.scheduler.load import LoadState
-from conductor.snapshot import Route
+from conductor.scheduler import LoadState, Route
 from simulator.pool import EVICTIONS, BlockCache
 from simulator.trace import TraceRequest
 

@@ -1,7 +1,7 @@
 """The event loop: requests arrive, the conductor's policy routes them from a snapshot built
 exactly as the live conductor builds it, and the cluster runs them.
 
-Per request: dispatch (load counted at once, as `conductor.scheduler.router.Dispatch` does)
+Per request: dispatch (load counted at once, as `conductor.router.Dispatch` does)
 -> prefill on P (after P's queue; its local prefix or the pool's, whichever is longer, pulled
 at the transfer cost) -> the KV moves to D (the blocks D's cache lacks) -> D admits it to its
 batch when the KV fits -> one token per decode step; the first token's time is the TTFT.
@@ -17,11 +17,17 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from conductor.policy import Policy
-from conductor.scheduler.index import POOL, KVIndex
-from conductor.scheduler.load import LoadState
-from conductor.scheduler.policies.estimate import loadable_blocks
-from conductor.snapshot import ClusterSnapshot, Reject, RouteRequest, SchedulerParams
+from conductor.scheduler import (
+    POOL,
+    ClusterSnapshot,
+    KVIndex,
+    LoadState,
+    Policy,
+    Reject,
+    RouteRequest,
+    SchedulerParams,
+    loadable_blocks,
+)
 from simulator.cluster import ClusterSpec, Instance, Job
 from simulator.pool import BlockCache
 from simulator.profile import LatencyProfile

@@ -11,8 +11,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from conductor.scheduler.decode_model import TbtModel
-from conductor.scheduler.prefill_model import PrefillTimeModel
+from conductor.scheduler import PrefillTimeModel, TbtModel
 
 PROFILES = Path(__file__).parent / "profiles"
 

@@ -5,10 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from conductor.policy import POLICIES, Policy
-from conductor.scheduler.policies.estimate import loadable_blocks
-from conductor.scheduler.policies.kv_centric import kv_centric
-from conductor.snapshot import ClusterSnapshot, Reject, Route, RouteRequest
+from conductor.scheduler import (
+    POLICIES,
+    ClusterSnapshot,
+    Policy,
+    Reject,
+    Route,
+    RouteRequest,
+    loadable_blocks,
+)
 from simulator.cluster import ClusterSpec
 from simulator.engine import RequestResult, Simulation
 from simulator.pool import BlockCache
@@ -24,7 +29,7 @@ def colocated(snap: ClusterSnapshot, req: RouteRequest) -> Route | Reject | None
     """The colocated baseline on instances that both prefill and decode: kv_centric's prefill
     choice (best predicted TTFT with the local caches), and the decode on that same instance.
     Our adapter: no conductor policy pins p == d for any prompt length."""
-    r = kv_centric(snap, req)
+    r = POLICIES["kv_centric"](snap, req)
     if not isinstance(r, Route) or not r.disaggregated:
         return r
     return replace(r, decode_id=r.prefill_id)

@@ -24,11 +24,11 @@ from conductor.errors import (
 )
 from conductor.metrics import Metrics
 from conductor.pipeline import Outcome
-from conductor.policy import least_loaded
 from conductor.protocol import parse_chat, parse_completion
 from conductor.response import ResponseSpec, collect, stream
 from conductor.sampling import ModelDefaults, sampling
-from conductor.snapshot import ClusterSnapshot, InstanceLoad, RouteRequest
+from conductor.scheduler.policy import least_loaded
+from conductor.scheduler.snapshot import ClusterSnapshot, InstanceLoad, RouteRequest
 
 
 @pytest.mark.parametrize("body,param", [

@@ -9,7 +9,6 @@ import pytest
 
 from cluster.instance import cpu_list
 from conductor.config import POLICIES as CONFIG_POLICIES
-from conductor.policy import DEFAULT_POLICY, POLICIES
 from conductor.scheduler.decode_model import TbtFitter, TbtModel
 from conductor.scheduler.index import POOL, KVIndex
 from conductor.scheduler.load import LoadState
@@ -18,8 +17,9 @@ from conductor.scheduler.policies.kv_centric import kv_centric
 from conductor.scheduler.policies.least_loaded import least_loaded
 from conductor.scheduler.policies.random_choice import random_choice
 from conductor.scheduler.policies.round_robin import round_robin
+from conductor.scheduler.policy import DEFAULT_POLICY, POLICIES
 from conductor.scheduler.prefill_model import PrefillTimeFitter, PrefillTimeModel
-from conductor.snapshot import (
+from conductor.scheduler.snapshot import (
     ClusterSnapshot,
     InstanceLoad,
     PrefixMatch,

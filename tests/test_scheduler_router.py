@@ -14,9 +14,9 @@ from cluster.instance import InstanceInfo
 from conductor.config import ConductorConfig
 from conductor.errors import NoCapacity, Overloaded
 from conductor.registry import Registry
+from conductor.router import Router, kv_block_bytes
 from conductor.scheduler.events import KvEventFollower
 from conductor.scheduler.index import POOL, KVIndex
-from conductor.scheduler.router import Router, kv_block_bytes
 from protos import worker_pb2
 from store.block_hash import block_hashes, from_wire, to_wire
 
@@ -82,7 +82,7 @@ async def test_the_tbt_model_learns_the_steady_gaps_not_the_hand_over(model_dir,
     cluster (found by the SIGSTOP-master test)."""
     router, registry = await _router(model_dir)
     clock = [100.0]
-    monkeypatch.setattr("conductor.scheduler.router.time",
+    monkeypatch.setattr("conductor.router.time",
                         type("Clock", (), {"monotonic": staticmethod(lambda: clock[0])}))
     prompt = list(range(100))
     dispatch = router.route("a", prompt, tuple(block_hashes(prompt, BS)), 16, BS)

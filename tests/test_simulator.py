@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from conductor.policy import POLICIES
 from conductor.scheduler.decode_model import TbtModel
+from conductor.scheduler.policy import POLICIES
 from conductor.scheduler.prefill_model import PrefillTimeModel
-from conductor.snapshot import Route
+from conductor.scheduler.snapshot import Route
 from simulator.cluster import ClusterSpec
 from simulator.engine import Simulation
 from simulator.pool import BlockCache

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import os
 
+from cluster.shape import BACKGROUND_ENV, SPIN_ENV
+
 CPU_SEEDS_ENV = "KVCLUSTER_CPU_SEEDS"
 """Set (by `worker.engine` on CPU): seeded requests get generators that survive chunking."""
-SPIN_ENV = "KVCLUSTER_ENGINE_SPIN_S"
-BACKGROUND_ENV = "KVCLUSTER_ENGINE_BACKGROUND"
 
 
 def register() -> None:

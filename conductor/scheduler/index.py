@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 
 import structlog
 
-from conductor.snapshot import PrefixMatch
+from conductor.scheduler.snapshot import PrefixMatch
 
 log = structlog.get_logger(__name__)
 

@@ -16,7 +16,7 @@ from bisect import bisect_left, insort
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from conductor.snapshot import InstanceLoad
+from conductor.scheduler.snapshot import InstanceLoad
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Follows what the pool holds: the Mooncake master lists its keys over HTTP
 (`/get_all_keys` on its metrics port); every `interval_s` the conductor reads the list, keeps
-the keys of the namespaces its instances registered (`<namespace>/<block hash, 16 hex>`),
+the keys of the namespaces its instances registered (`<namespace>/<block hash in hex>`),
 and makes that the index's pool location. This is how the index learns the pool's
 evictions (the master's ZMQ event publisher is not built into the 0.3.13 wheel) and how a
 restarted conductor rebuilds its pool view. Cost: one listing and an O(indexed blocks) pass

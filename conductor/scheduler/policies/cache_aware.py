@@ -12,7 +12,13 @@ pool is what `kv_centric` adds.
 from __future__ import annotations
 
 from conductor.scheduler.policies.estimate import describe, loadable_blocks
-from conductor.snapshot import ClusterSnapshot, InstanceLoad, Route, RouteRequest, SchedulerParams
+from conductor.scheduler.snapshot import (
+    ClusterSnapshot,
+    InstanceLoad,
+    Route,
+    RouteRequest,
+    SchedulerParams,
+)
 
 
 def pick(instances: tuple[InstanceLoad, ...], req: RouteRequest, params: SchedulerParams

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conductor.snapshot import ClusterSnapshot, InstanceLoad, Route, RouteRequest
+from conductor.scheduler.snapshot import ClusterSnapshot, InstanceLoad, Route, RouteRequest
 
 
 def loadable_blocks(num_tokens: int, block_size: int) -> int:

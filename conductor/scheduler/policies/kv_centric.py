@@ -35,7 +35,7 @@ from __future__ import annotations
 from bisect import bisect_right
 
 from conductor.scheduler.policies.estimate import loadable_blocks
-from conductor.snapshot import ClusterSnapshot, Reject, Route, RouteRequest, contention
+from conductor.scheduler.snapshot import ClusterSnapshot, Reject, Route, RouteRequest, contention
 
 _RETRY_MIN_S = 1.0
 _RETRY_MAX_S = 60.0

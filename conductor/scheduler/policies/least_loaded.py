@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from conductor.scheduler.policies.estimate import describe
-from conductor.snapshot import ClusterSnapshot, InstanceLoad, Route, RouteRequest
+from conductor.scheduler.snapshot import ClusterSnapshot, InstanceLoad, Route, RouteRequest
 
 
 def _least(instances: tuple[InstanceLoad, ...]) -> InstanceLoad | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from conductor.scheduler.policies.estimate import describe
-from conductor.snapshot import ClusterSnapshot, Route, RouteRequest
+from conductor.scheduler.snapshot import ClusterSnapshot, Route, RouteRequest
 
 _MIX = 0x9E3779B97F4A7C15
 

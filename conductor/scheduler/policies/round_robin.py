@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from conductor.scheduler.policies.estimate import describe
-from conductor.snapshot import ClusterSnapshot, Route, RouteRequest
+from conductor.scheduler.snapshot import ClusterSnapshot, Route, RouteRequest
 
 
 def round_robin(snap: ClusterSnapshot, req: RouteRequest) -> Route | None:

@@ -14,7 +14,7 @@ from conductor.scheduler.policies.kv_centric import kv_centric
 from conductor.scheduler.policies.least_loaded import least_loaded
 from conductor.scheduler.policies.random_choice import random_choice
 from conductor.scheduler.policies.round_robin import round_robin
-from conductor.snapshot import ClusterSnapshot, Reject, Route, RouteRequest
+from conductor.scheduler.snapshot import ClusterSnapshot, Reject, Route, RouteRequest
 
 Decision = Route | Reject | None
 Policy = Callable[[ClusterSnapshot, RouteRequest], Decision]

@@ -16,13 +16,19 @@ import structlog
 
 from conductor.config import ConductorConfig
 from conductor.errors import NoCapacity, Overloaded
-from conductor.policy import POLICIES
 from conductor.registry import Instance, Registry
 from conductor.scheduler.decode_model import TbtFitter
 from conductor.scheduler.index import POOL, KVIndex
 from conductor.scheduler.policies.estimate import loadable_blocks
+from conductor.scheduler.policy import POLICIES
 from conductor.scheduler.prefill_model import PrefillTimeFitter
-from conductor.snapshot import ClusterSnapshot, Reject, Route, RouteRequest, SchedulerParams
+from conductor.scheduler.snapshot import (
+    ClusterSnapshot,
+    Reject,
+    Route,
+    RouteRequest,
+    SchedulerParams,
+)
 from store.block_hash import extend_hashes
 
 log = structlog.get_logger(__name__)
