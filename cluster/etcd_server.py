@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cluster.ports import free_port
-from cluster.process import ManagedProcess
+from cluster.process import ManagedServer
 
 _SPAWN_ATTEMPTS = 3
 
@@ -62,7 +62,7 @@ def etcd_binary() -> str:
     )
 
 
-class EtcdServer:
+class EtcdServer(ManagedServer):
     """One etcd process: `start()` returns once it reports healthy; `.endpoint` is host:port."""
 
     host = "127.0.0.1"
@@ -94,7 +94,6 @@ class EtcdServer:
         self.start_timeout = start_timeout
         self.extra_args = list(extra_args or [])
         self.tls = tls
-        self._proc: ManagedProcess | None = None
 
     @property
     def endpoint(self) -> str:
@@ -164,33 +163,19 @@ class EtcdServer:
         if self.data_dir.exists():
             self.data_dir.chmod(0o700)  # etcd 3.5 refuses a data dir with looser permissions
         for attempt in range(_SPAWN_ATTEMPTS):
-            self._proc = ManagedProcess(
-                f"etcd-{self.client_port}", self._argv(), self.log_path, env=self._env()
-            ).start()
-            returncode = self._wait_healthy(self._proc)
+            returncode = self._launch(f"etcd-{self.client_port}", self._argv(),
+                                      self.start_timeout, env=self._env())
             if returncode is None:
                 return
             # A signal death at startup is the gRPC at-fork abort (see the module docstring):
             # the child never reached exec, so simply try again.
             if returncode >= 0 or attempt == _SPAWN_ATTEMPTS - 1:
                 raise RuntimeError(
-                    f"etcd exited at startup (code {returncode}); log tail:\n{self._proc.tail()}"
+                    f"etcd exited at startup (code {returncode}); log tail:\n{self.tail()}"
                 )
 
-    def _wait_healthy(self, proc: ManagedProcess) -> int | None:
-        """None once etcd is healthy, its exit code if it exits first; RuntimeError on timeout."""
-        deadline = time.monotonic() + self.start_timeout
-        while time.monotonic() < deadline:
-            if not proc.alive():
-                assert proc.proc is not None
-                return proc.proc.wait()
-            if self.healthy():
-                return None
-            time.sleep(0.05)
-        proc.kill()
-        raise RuntimeError(
-            f"etcd not healthy after {self.start_timeout}s; log tail:\n{proc.tail()}"
-        )
+    def ready(self, deadline: float) -> bool:
+        return self.healthy()
 
     def healthy(self, timeout: float = 1.0) -> bool:
         """True if etcd answers GET /health with health=true (it has a leader and serves)."""
@@ -201,23 +186,6 @@ class EtcdServer:
         except (OSError, ValueError, urllib.error.URLError):
             return False
 
-    def alive(self) -> bool:
-        return self._proc is not None and self._proc.alive()
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Graceful shutdown (SIGTERM, then SIGKILL after `timeout`); keeps the data dir."""
-        if self._proc is not None:
-            self._proc.stop(timeout)
-
-    def kill(self) -> None:
-        """SIGKILL, as in a crash; keeps the data dir."""
-        if self._proc is not None:
-            self._proc.kill()
-
     def restart(self, kill: bool = False) -> Self:
         """Stop (or kill) and start again on the same ports with the same data dir."""
         if kill:
@@ -226,9 +194,6 @@ class EtcdServer:
             self.stop()
         self._spawn_and_wait()
         return self
-
-    def tail(self, lines: int = 40) -> str:
-        return self._proc.tail(lines) if self._proc is not None else ""
 
     def close(self) -> None:
         """Stop and remove the temporary data dir and log, if this object created them."""

@@ -150,3 +150,53 @@ class ManagedProcess:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except FileNotFoundError:
             return ""
+
+
+class ManagedServer:
+    """What every server this code starts and supervises shares (etcd, the Mooncake master, the
+    store client): one `ManagedProcess`, started by `_launch` and waited on until the
+    subclass's `ready()`; then alive / stop / kill / tail / pid."""
+
+    log_path: Path
+    _proc: ManagedProcess | None = None
+
+    def ready(self, deadline: float) -> bool:
+        """The server answers (subclasses); `deadline` (monotonic) bounds any waiting inside."""
+        raise NotImplementedError
+
+    def _launch(self, name: str, argv: Sequence[str], timeout: float,
+                env: Mapping[str, str] | None = None) -> int | None:
+        """Start `argv` and wait until `ready()`: None then, or the exit status if it exits
+        first; RuntimeError (with the log's tail) when not ready within `timeout` seconds."""
+        proc = self._proc = ManagedProcess(name, argv, self.log_path, env=env).start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not proc.alive():
+                assert proc.proc is not None
+                return proc.proc.wait()
+            if self.ready(deadline):
+                return None
+            time.sleep(0.05)
+        proc.kill()
+        raise RuntimeError(f"{name} not ready within {timeout}s; log {self.log_path}:\n"
+                           f"{proc.tail()}")
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.alive()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None and self._proc.proc else None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (then SIGKILL after `timeout`)."""
+        if self._proc is not None:
+            self._proc.stop(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL, as in a crash."""
+        if self._proc is not None:
+            self._proc.kill()
+
+    def tail(self, lines: int = 40) -> str:
+        return self._proc.tail(lines) if self._proc is not None else ""

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cluster.ports import free_ports, wait_for_port
-from cluster.process import ManagedProcess
+from cluster.process import ManagedServer
 
 if TYPE_CHECKING:
     from typing import Self
@@ -49,7 +49,7 @@ def find_master_binary() -> str:
     return found
 
 
-class StoreMaster:
+class StoreMaster(ManagedServer):
     """A supervised `mooncake_master`. Ports left `None` are picked free at the first start and
     kept across `restart()`, so clients can keep their addresses.
 
@@ -95,7 +95,6 @@ class StoreMaster:
             name = f"kvcluster-mooncake-master-{os.getpid()}-{self.rpc_port}.log"
             log_path = Path(tempfile.gettempdir()) / name
         self.log_path = Path(log_path)
-        self._proc: ManagedProcess | None = None
 
     # -- addresses ------------------------------------------------------------------------------
 
@@ -110,10 +109,6 @@ class StoreMaster:
     @property
     def metrics_url(self) -> str:
         return f"http://{self.host}:{self.metrics_port}/metrics"
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None and self._proc.proc is not None else None
 
     def argv(self) -> list[str]:
         args = [
@@ -154,25 +149,13 @@ class StoreMaster:
         return self
 
     def _start_once(self) -> None:
-        proc = ManagedProcess(f"mooncake_master:{self.rpc_port}", self.argv(), self.log_path)
-        self._proc = proc.start()
-        deadline = time.monotonic() + self.ready_timeout
-        while time.monotonic() < deadline:
-            if not proc.alive():
-                raise RuntimeError(
-                    f"mooncake_master exited with {proc.proc.returncode if proc.proc else None}"
-                    f" before ready; log {self.log_path}:\n{proc.tail()}"
-                )
-            if self._ready(deadline):
-                return
-            time.sleep(0.1)
-        proc.kill()
-        raise RuntimeError(
-            f"mooncake_master not ready within {self.ready_timeout}s; log {self.log_path}:\n"
-            f"{proc.tail()}"
-        )
+        returncode = self._launch(f"mooncake_master:{self.rpc_port}", self.argv(),
+                                  self.ready_timeout)
+        if returncode is not None:
+            raise RuntimeError(f"mooncake_master exited with {returncode} before ready; "
+                               f"log {self.log_path}:\n{self.tail()}")
 
-    def _ready(self, deadline: float) -> bool:
+    def ready(self, deadline: float) -> bool:
         try:
             url = f"http://{self.host}:{self.metrics_port}/health"
             with urllib.request.urlopen(url, timeout=1.0) as resp:
@@ -185,27 +168,12 @@ class StoreMaster:
             self.host, self.http_port, remaining
         )
 
-    def alive(self) -> bool:
-        return self._proc is not None and self._proc.alive()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM (then SIGKILL after `timeout`). All objects in the pool are forgotten."""
-        if self._proc is not None:
-            self._proc.stop(timeout)
-
-    def kill(self) -> None:
-        """SIGKILL, as in a crash."""
-        if self._proc is not None:
-            self._proc.kill()
-
     def restart(self) -> StoreMaster:
-        """Stop and start again on the same ports (an empty pool; clients remount by themselves)."""
+        """Stop and start again on the same ports (an empty pool; clients remount by themselves).
+        Stopping forgets every object in the pool."""
         self.stop()
         self._start_once()
         return self
-
-    def tail(self, lines: int = 40) -> str:
-        return self._proc.tail(lines) if self._proc is not None else ""
 
     def __enter__(self) -> Self:
         self.start()
@@ -270,7 +238,7 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-class StoreClientService:
+class StoreClientService(ManagedServer):
     """A supervised standalone `mooncake_client` (Mooncake's RealClient as its own process): it
     owns `segment` of pool memory and serves the Mooncake *dummy* clients of this host
     (`PoolConfig.store_client`) over RPC on `port` and a Unix socket
@@ -297,7 +265,6 @@ class StoreClientService:
         if log_path is None:
             log_path = Path(tempfile.gettempdir()) / f"kvcluster-mooncake-client-{self.port}.log"
         self.log_path = Path(log_path)
-        self._proc: ManagedProcess | None = None
 
     @property
     def address(self) -> str:
@@ -317,14 +284,11 @@ class StoreClientService:
                 "--logtostderr=true", *self.extra_args]
 
     def start(self, timeout: float = 30.0) -> StoreClientService:
-        proc = ManagedProcess(f"mooncake_client:{self.port}", self.argv(), self.log_path)
-        self._proc = proc.start()
-        if not wait_for_port(self.host, self.port, timeout):
-            proc.kill()
-            raise RuntimeError(f"mooncake_client not up in {timeout}s; log {self.log_path}:\n"
-                               f"{proc.tail()}")
+        returncode = self._launch(f"mooncake_client:{self.port}", self.argv(), timeout)
+        if returncode is not None:
+            raise RuntimeError(f"mooncake_client exited with {returncode} at start; "
+                               f"log {self.log_path}:\n{self.tail()}")
         return self
 
-    def stop(self, timeout: float = 10.0) -> None:
-        if self._proc is not None:
-            self._proc.stop(timeout)
+    def ready(self, deadline: float) -> bool:
+        return wait_for_port(self.host, self.port, 0.2)
