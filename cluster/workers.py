@@ -9,6 +9,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from cluster.engine_spec import EngineSpec
 from cluster.ports import free_port
 from cluster.process import ManagedProcess
 from cluster.shape import BACKGROUND_ENV, SPIN_ENV, Engine
@@ -20,25 +21,18 @@ CPU_ENGINE_SPIN_S = "0.01"
 
 
 @dataclass(frozen=True)
-class WorkerSpec:
+class WorkerSpec(EngineSpec):
+    """How to start a worker here (`start`), with the cluster's `EngineSpec`."""
+
     model: str
     etcd: str
     pool_master: str
     pool_metadata: str
     run_dir: str
     """Each worker's log goes to `<run_dir>/<instance_id>.log`."""
-    block_size: int = 32
-    max_model_len: int = 2048
-    dtype: str = "float32"
-    kv_cache_bytes: int = 256 << 20
-    pool_segment_bytes: int = 256 << 20
-    lease_ttl: float = 10.0
     pool_store_client: str = ""
     pool_store_client_segment: str = ""
     """This host's `mooncake_client` and its segment (see WorkerConfig); empty: TCP."""
-    enforce_eager: bool = True
-    """Eager PyTorch (engines up in ~20 s) or vLLM's compiled graphs (~1 ms faster per step
-    for the tiny model here, ~45 s more to start)."""
     env: tuple[tuple[str, str], ...] = ()
     python: str = sys.executable
     secret_file: str = ""

@@ -26,6 +26,7 @@ import httpx
 import structlog
 
 from cluster import shape
+from cluster.engine_spec import EngineSpec
 from cluster.etcd_server import EtcdServer
 from cluster.instance import cpu_list, format_cpu_list
 from cluster.ports import free_port
@@ -44,7 +45,7 @@ cluster whose workers keep failing stops instead (the last failure's log tail sa
 
 
 @dataclass(frozen=True)
-class ClusterSpec:
+class ClusterSpec(EngineSpec):
     model: str
     prefill: int = 1
     decode: int = 1
@@ -55,12 +56,6 @@ class ClusterSpec:
     store_metadata_port: int = 0
     run_dir: str = ""
     """Logs and data; a temporary directory when empty."""
-    block_size: int = 32
-    max_model_len: int = 2048
-    dtype: str = "float32"
-    kv_cache_bytes: int = 256 << 20
-    pool_segment_bytes: int = 256 << 20
-    lease_ttl: float = 10.0
     policy: str = "kv_centric"
     both: int = 0
     shape: Shape | None = None
@@ -75,8 +70,6 @@ class ClusterSpec:
     processes stalled for the pool's 5 s timeout here (a burst of 1,800-token prompts on two
     cores: the reading decode and the writing prefill engine both stopped for ~5 s)."""
     conductor_args: tuple[str, ...] = ()
-    enforce_eager: bool = True
-    """Engines in eager mode (quick to start: tests) or compiled (faster steps: `make run`)."""
     admin_port: int = 0
     """The conductor's admin API on 127.0.0.1 (token in `<run_dir>/admin.token`); 0 picks a
     free port, -1 turns it off."""
@@ -173,12 +166,9 @@ class EmbeddedCluster:
         return WorkerSpec(model=s.model, etcd=self.etcd.endpoint,
                           pool_master=self.master.master_addr,
                           pool_metadata=self.master.metadata_url, run_dir=str(self.run_dir),
-                          block_size=s.block_size, max_model_len=s.max_model_len, dtype=s.dtype,
-                          kv_cache_bytes=s.kv_cache_bytes,
-                          pool_segment_bytes=s.pool_segment_bytes, lease_ttl=s.lease_ttl,
                           pool_store_client=sc.address if sc else "",
                           pool_store_client_segment=sc.segment_name if sc else "",
-                          enforce_eager=s.enforce_eager, env=s.worker_env,
+                          env=s.worker_env, **s.engine_kwargs(),
                           secret_file=str(self.secret_file), machine_cpus=self._machine_cpus)
 
     # -------------------------------------------------------------- start / stop

@@ -28,6 +28,7 @@ from pathlib import Path
 import grpc
 import httpx
 
+from cluster.engine_spec import EngineSpec
 from cluster.ports import free_port
 from cluster.process import ManagedProcess
 from conductor.launcher import ClusterSpec, EmbeddedCluster
@@ -36,18 +37,17 @@ from store.master import StoreClientService, StoreMaster
 from store.namespace import kv_namespace
 
 
-@dataclass(frozen=True)
-class Engines:
-    """What every system runs on."""
+@dataclass(frozen=True, kw_only=True)
+class Engines(EngineSpec):
+    """What every system runs on (our engines compiled, as `vllm serve` runs)."""
 
     model: str
     prefill: int = 2
     decode: int = 1
-    block_size: int = 32
     max_model_len: int = 4096
-    dtype: str = "float32"
     kv_cache_bytes: int = 512 << 20
     pool_segment_bytes: int = 1 << 30
+    enforce_eager: bool = False
     max_num_seqs: int = 64
     cores: int = os.cpu_count() or 1
     pool_shm: bool = True
@@ -114,11 +114,9 @@ def _engine_env() -> dict[str, str]:
 
 def ours(policy: str, e: Engines, run_dir: Path, ttft_slo_s: float, tbt_slo_s: float) -> Running:
     spec = ClusterSpec(model=e.model, prefill=e.prefill, decode=e.decode, http_port=0,
-                       run_dir=str(run_dir), block_size=e.block_size,
-                       max_model_len=e.max_model_len, dtype=e.dtype,
-                       kv_cache_bytes=e.kv_cache_bytes, pool_segment_bytes=e.pool_segment_bytes,
-                       policy=policy, worker_env=tuple(e.env(e.threads).items()),
-                       pool_shm=e.pool_shm, enforce_eager=False,  # as `vllm serve` runs
+                       run_dir=str(run_dir), policy=policy,
+                       worker_env=tuple(e.env(e.threads).items()), pool_shm=e.pool_shm,
+                       **e.engine_kwargs(),
                        conductor_args=("--ttft-slo-s", str(ttft_slo_s),
                                        "--tbt-slo-s", str(tbt_slo_s)))
     c = EmbeddedCluster(spec).start(timeout=600)
