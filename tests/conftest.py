@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -42,13 +43,40 @@ LONG_MIN_BLOCKS = 48
 """The "long" prompt's full blocks at least (a load of that many takes many decode steps)."""
 MAX_TOKENS = 16
 
+ENGINE_FIXTURES = {"cluster", "reference", "ctl", "producer", "consumer", "decoder"}
+"""Fixtures that start real vLLM engines: a test using one is marked `engine` here; a test
+that starts an engine in its own body carries the marker itself."""
 
-def wait_until(predicate, timeout: float = 5.0, interval: float = 0.02) -> None:
-    """Poll `predicate` until it holds; fail the test after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.engine)
+
+
+def wait_until(predicate, timeout: float = 5.0, what: str = "condition not reached in time",
+               interval: float = 0.02, check=None) -> float:
+    """The tests' one way to wait: poll `predicate` every `interval` until it holds and return
+    the seconds that took; fail the test (`what`) after `timeout`. `check`, called each round,
+    may fail sooner (e.g. a cluster whose process died)."""
+    t0 = time.monotonic()
     while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
+        if check is not None:
+            check()
+        assert time.monotonic() - t0 < timeout, what
         time.sleep(interval)
+    return time.monotonic() - t0
+
+
+async def eventually(condition, timeout: float, interval: float = 0.05) -> bool:
+    """`wait_until` for a test on the event loop: True once `condition` holds, False after
+    `timeout` (the caller asserts)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(interval)
+    return True
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,7 @@ import aetcd
 import grpc
 import httpx
 import pytest
+from conftest import wait_until
 
 from conductor.launcher import ClusterSpec, EmbeddedCluster
 from protos import admin_pb2, admin_pb2_grpc
@@ -56,7 +57,7 @@ def ctl(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
     c = EmbeddedCluster(spec)
     c.start(timeout=300)
     try:
-        wait_for(lambda: len(instances(c)) == 3, 240, every=0.5)  # ready means one of each
+        wait_until(lambda: len(instances(c)) == 3, 240, interval=0.5)  # ready means one of each
         yield c
     finally:
         c.stop()
@@ -118,15 +119,6 @@ class Traffic:
             t.join(timeout=150)
 
 
-def wait_for(predicate, timeout: float, every: float = 0.1) -> float:
-    """Seconds until `predicate()` held; fails the test after `timeout`."""
-    t0 = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - t0 < timeout, "condition not reached in time"
-        time.sleep(every)
-    return time.monotonic() - t0
-
-
 def etcd_keys(c: EmbeddedCluster) -> set[str]:
     async def keys() -> set[str]:
         async with aetcd.Client("127.0.0.1", c.etcd.client_port, timeout=2) as client:
@@ -149,26 +141,26 @@ def test_wrong_token_is_refused_and_the_pool_is_unchanged(ctl):
 def test_resize_up_drain_and_resize_down_under_traffic_lose_nothing(ctl):
     call = admin(ctl)
     with Traffic(ctl) as traffic:
-        wait_for(lambda: len(traffic.statuses) >= 4, 60)
+        wait_until(lambda: len(traffic.statuses) >= 4, 60, interval=0.1)
         r = call("ResizePool", admin_pb2.ResizePoolRequest(role="decode", target=2, wait=True,
                                                            timeout_s=240), timeout=260)
         assert list(r.started) == ["decode-s0"] and (r.before, r.after) == (1, 2), r
         assert instances(ctl)["decode-s0"].state == "serving"
-        wait_for(lambda: instances(ctl)["decode-s0"].dispatched_total > 0, 60)
+        wait_until(lambda: instances(ctl)["decode-s0"].dispatched_total > 0, 60, interval=0.1)
         d = call("Drain", admin_pb2.DrainRequest(instance_id="decode-0", wait=True,
                                                  timeout_s=120), timeout=130)
         assert d.idle and d.state == "draining" and d.in_flight == 0
         served = instances(ctl)["decode-0"].dispatched_total
         n = len(traffic.statuses)
-        wait_for(lambda: len(traffic.statuses) >= n + 4, 60)
+        wait_until(lambda: len(traffic.statuses) >= n + 4, 60, interval=0.1)
         assert instances(ctl)["decode-0"].dispatched_total == served  # nothing new there
         # back to one decode instance: the one started by the resize is drained and retired
         call("Undrain", admin_pb2.DrainRequest(instance_id="decode-0"))
         r = call("ResizePool", admin_pb2.ResizePoolRequest(role="decode", target=1))
         assert list(r.drained) == ["decode-s0"] and r.after == 1, r
-        wait_for(lambda: "decode-s0" not in instances(ctl), 60)
+        wait_until(lambda: "decode-s0" not in instances(ctl), 60, interval=0.1)
         n = len(traffic.statuses)
-        wait_for(lambda: len(traffic.statuses) >= n + 4, 60)
+        wait_until(lambda: len(traffic.statuses) >= n + 4, 60, interval=0.1)
     assert traffic.errors == [] and len(traffic.statuses) >= 12, traffic.errors[:5]
     assert f"{PREFIX}decode-s0" not in etcd_keys(ctl)
 
@@ -176,16 +168,16 @@ def test_resize_up_drain_and_resize_down_under_traffic_lose_nothing(ctl):
 def test_kill9_leaves_routing_within_the_health_interval_and_etcd_within_the_ttl(ctl):
     assert f"{PREFIX}prefill-1" in etcd_keys(ctl)
     ctl.stop_worker("prefill-1", kill=True)
-    t_out = wait_for(lambda: (i := instances(ctl).get("prefill-1")) is None
-                     or i.state == "unhealthy", 10, every=0.05)
+    t_out = wait_until(lambda: (i := instances(ctl).get("prefill-1")) is None
+                       or i.state == "unhealthy", 10, interval=0.05)
     assert t_out <= HEALTH_S + 1.0, f"still routed {t_out:.2f}s after kill -9"
     statuses = [complete(ctl, f"after the kill {n}: " + "and then " * 30).status_code
                 for n in range(6)]
     assert statuses == [200] * 6
-    t_gone = wait_for(lambda: f"{PREFIX}prefill-1" not in etcd_keys(ctl), LEASE_TTL + 10,
-                      every=0.2)
+    t_gone = wait_until(lambda: f"{PREFIX}prefill-1" not in etcd_keys(ctl), LEASE_TTL + 10,
+                        interval=0.2)
     assert t_out + t_gone <= LEASE_TTL + 2.0, f"etcd entry outlived the lease: {t_gone:.1f}s"
-    wait_for(lambda: "prefill-1" not in instances(ctl), 5)
+    wait_until(lambda: "prefill-1" not in instances(ctl), 5, interval=0.1)
 
 
 def test_etcd_outage_keeps_serving_and_a_new_worker_joins_after(ctl):
@@ -200,9 +192,9 @@ def test_etcd_outage_keeps_serving_and_a_new_worker_joins_after(ctl):
     finally:
         ctl.etcd.start()
     wp = ctl.start_worker("prefill")
-    wait_for(lambda: (i := instances(ctl).get(wp.instance_id)) is not None
-             and i.state == "serving", 240, every=0.5)
-    wait_for(lambda: {"prefill-0", "decode-0"} <= instances(ctl).keys(), 30)
+    wait_until(lambda: (i := instances(ctl).get(wp.instance_id)) is not None
+               and i.state == "serving", 240, interval=0.5)
+    wait_until(lambda: {"prefill-0", "decode-0"} <= instances(ctl).keys(), 30, interval=0.1)
     assert complete(ctl, "etcd is back: " + "fine " * 30).status_code == 200
 
 
@@ -268,8 +260,8 @@ vLLM coalesces a fast stream's outputs when its reader lags (CI once saw the who
 def _two_decodes(ctl: EmbeddedCluster) -> None:
     if len([i for i in instances(ctl).values() if i.role == "decode"]) < 2:
         wp = ctl.start_worker("decode")
-        wait_for(lambda: (i := instances(ctl).get(wp.instance_id)) is not None
-                 and i.state == "serving", 240, every=0.5)
+        wait_until(lambda: (i := instances(ctl).get(wp.instance_id)) is not None
+                   and i.state == "serving", 240, interval=0.5)
 
 
 def _stream(ctl: EmbeddedCluster, fault=None, after: int = 10

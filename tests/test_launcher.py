@@ -53,6 +53,7 @@ def _complete(port: int) -> httpx.Response:
                       json={"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0})
 
 
+@pytest.mark.engine
 def test_launcher_serves_restarts_a_dead_engine_and_ctrl_c_leaves_nothing(model_dir, tmp_path):
     port = free_port()
     # started with SIGINT ignored, as background jobs are (and as this runner's children may

@@ -12,6 +12,7 @@ from typing import Any
 
 import aetcd
 import pytest
+from conftest import eventually
 
 from cluster.etcd_server import EtcdServer
 from cluster.instance import InstanceInfo
@@ -32,15 +33,6 @@ def make_info(instance_id: str, role: str = "prefill") -> InstanceInfo:
         version="0.1.0",
         started_at=1_700_000_000.5,
     )
-
-
-async def eventually(condition: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.05)
-    return True
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from conftest import wait_until
 
 from protos import worker_pb2, worker_pb2_grpc
 
@@ -134,13 +135,6 @@ def _stats(stubs) -> dict[str, worker_pb2.WorkerStats]:
             stubs.items()}
 
 
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.005)
-
-
 def _idle(stubs) -> bool:
     return all(s.running == 0 and s.prefills_in_flight == 0 and s.generates_in_flight == 0
                for s in _stats(stubs).values())
@@ -148,7 +142,7 @@ def _idle(stubs) -> bool:
 
 def test_client_disconnect_aborts_both_engines_requests(cluster, model):
     stubs = _stubs(cluster)
-    _wait(lambda: _idle(stubs), 60, "the workers were busy before the test")
+    wait_until(lambda: _idle(stubs), 60, "the workers were busy before the test")
     before = _stats(stubs)
 
     # 1. Gone during decode: a long stream, dropped after a few tokens.
@@ -160,7 +154,7 @@ def test_client_disconnect_aborts_both_engines_requests(cluster, model):
             next(lines)
         during = _stats(stubs)
         assert during["decode"].running == 1
-    _wait(lambda: _stats(stubs)["decode"].running == 0, 10, "decode engine still running it")
+    wait_until(lambda: _stats(stubs)["decode"].running == 0, 10, "decode engine still running it")
     after = _stats(stubs)
     assert after["decode"].aborted_total == before["decode"].aborted_total + 1
     assert after["decode"].generates_in_flight == 0
@@ -175,10 +169,10 @@ def test_client_disconnect_aborts_both_engines_requests(cluster, model):
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
                   b"\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
         socks.append(s)
-    _wait(lambda: _stats(stubs)["prefill"].prefills_in_flight >= 1, 30, "no prefills started")
+    wait_until(lambda: _stats(stubs)["prefill"].prefills_in_flight >= 1, 30, "no prefills started")
     for s in socks:
         s.close()
-    _wait(lambda: _idle(stubs), 30, "an engine still holds a request of a gone client")
+    wait_until(lambda: _idle(stubs), 30, "an engine still holds a request of a gone client")
     after2 = _stats(stubs)
     assert after2["prefill"].aborted_total > after["prefill"].aborted_total
     metrics = httpx.get(f"{cluster.url}/metrics").text
@@ -190,7 +184,7 @@ def test_streams_sharing_a_client_id_do_not_touch_each_other(cluster, model):
     tokens. The other two still finish in full: the engines and the aborts key on the
     conductor's own ids (with one id, the abort cut its twins after a token)."""
     stubs = _stubs(cluster)
-    _wait(lambda: _idle(stubs), 60, "the workers were busy before the test")
+    wait_until(lambda: _idle(stubs), 60, "the workers were busy before the test")
     before = _stats(stubs)["decode"].aborted_total
     max_tokens = 200
     body = {"model": model, "prompt": unique_text(60, seed=7), "max_tokens": max_tokens,
@@ -217,14 +211,14 @@ def test_streams_sharing_a_client_id_do_not_touch_each_other(cluster, model):
     twins = [threading.Thread(target=full) for _ in range(2)]
     for t in twins:
         t.start()
-    _wait(lambda: _stats(stubs)["decode"].running == 2, 60, "the twins did not start")
+    wait_until(lambda: _stats(stubs)["decode"].running == 2, 60, "the twins did not start")
     with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, headers=headers,
                       timeout=60) as r:
         lines = (ln for ln in r.iter_lines() if ln.startswith("data: "))
         for _ in range(3):
             next(lines)
-    _wait(lambda: _stats(stubs)["decode"].aborted_total == before + 1, 30,
-          "the abandoned stream was not aborted")
+    wait_until(lambda: _stats(stubs)["decode"].aborted_total == before + 1, 30,
+               "the abandoned stream was not aborted")
     for t in twins:
         t.join(timeout=120)
     assert results == [("length", max_tokens, {"cmpl-twin"})] * 2

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from conftest import BLOCK_SIZE, DTYPE, LEASE_TTL, MAX_MODEL_LEN
+from conftest import BLOCK_SIZE, DTYPE, LEASE_TTL, MAX_MODEL_LEN, wait_until
 
 from conductor.launcher import ClusterSpec, EmbeddedCluster
 from protos import worker_pb2
@@ -64,8 +64,8 @@ def sched_cluster(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
         mp.setenv("KVCLUSTER_LOG_JSON", "1")
         c.start(timeout=400)
     try:
-        _wait_for(lambda: {e["instance_id"] for e in _log(c, "conductor", "instance_joined")}
-                  >= set(c.workers), 240, "every worker joined", c)
+        wait_until(lambda: {e["instance_id"] for e in _log(c, "conductor", "instance_joined")}
+                   >= set(c.workers), 240, "every worker joined", 0.1, c._check_alive)
         yield c
     finally:
         c.stop()
@@ -90,15 +90,6 @@ def _one(c: EmbeddedCluster, process: str, event: str, request_id: str) -> dict:
     recs = [r for r in _log(c, process, event) if _client_id(r).endswith(request_id)]
     assert len(recs) == 1, (event, request_id, recs)
     return recs[0]
-
-
-def _wait_for(cond, timeout: float, what: str, c: EmbeddedCluster | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if c is not None:
-            c._check_alive()
-        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
-        time.sleep(0.1)
 
 
 def _complete(c: EmbeddedCluster, tokens: list[int], request_id: str, max_tokens: int = 1,
@@ -134,8 +125,8 @@ def test_shared_prefix_goes_where_it_is_cached_and_only_the_rest_is_computed(sch
     # the instance a cache-blind tie-break would not pick next time.
     busy = threading.Thread(target=_complete, args=(c, other, "other"))
     busy.start()
-    _wait_for(lambda: any(_client_id(r).endswith("other")
-                          for r in _log(c, "conductor", "routed")), 60, "other routed")
+    wait_until(lambda: any(_client_id(r).endswith("other")
+                           for r in _log(c, "conductor", "routed")), 60, "other routed", 0.1)
     r, _ = _complete(c, prefix, "first")
     busy.join(timeout=120)
     assert r.status_code == 200, r.text
@@ -146,7 +137,7 @@ def test_shared_prefix_goes_where_it_is_cached_and_only_the_rest_is_computed(sch
     # The engines' KV events, re-keyed by the workers, name the prefix's blocks in the
     # conductor's hash scheme: the holder caches them, the other prefill instance does not.
     hashes = block_hashes(prefix, BLOCK_SIZE)
-    _wait_for(lambda: set(hashes) <= _engine_cache(c, holder), 10, "holder's KV events")
+    wait_until(lambda: set(hashes) <= _engine_cache(c, holder), 10, "holder's KV events", 0.1)
     assert not set(hashes) & _engine_cache(c, busy_one)
 
     second = prefix + _vocab_tokens(rng, 3 * BLOCK_SIZE)
@@ -172,8 +163,8 @@ def test_overload_is_rejected_early_and_admitted_requests_meet_their_prediction(
     c = sched_cluster
     gone = sorted(i for i in c.workers if i.startswith("prefill-"))[-1]
     c.stop_worker(gone)
-    _wait_for(lambda: any(e["instance_id"] == gone for e in _log(c, "conductor", "instance_left")),
-              LEASE_TTL + 10, f"{gone} left")
+    wait_until(lambda: any(e["instance_id"] == gone for e in _log(c, "conductor", "instance_left")),
+               LEASE_TTL + 10, f"{gone} left", 0.1)
     rng = random.Random(5)
     # warm-ups exist to be timed: their own SLO admits them whatever the model says now (a
     # model fitted while the machine was slow refused them once, and refusals teach nothing)
