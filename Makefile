@@ -14,7 +14,7 @@ MODEL   ?=
 PYTEST_ARGS ?=
 ARGS    ?=
 
-.PHONY: install sysdeps run test lint model clean bench bench-sched bench-kv
+.PHONY: install sysdeps run test test-fast lint model clean bench bench-sched bench-kv
 
 install: $(STAMP)
 
@@ -49,6 +49,11 @@ run: install
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The tests that start no vLLM engine and wait out no real outage (unit tests, the fakes, real
+# etcd and Mooncake): under a minute here.
+test-fast: install
+	$(PY) -m pytest -m "not engine and not slow" $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

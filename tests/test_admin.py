@@ -13,6 +13,7 @@ import time
 import grpc
 import httpx
 import pytest
+from conftest import wait_until
 from fake_worker import Knobs, LocalConductor
 
 from cluster.ports import free_port
@@ -81,7 +82,7 @@ def test_instances_drain_waits_for_in_flight_then_undrain(model_dir):
         results = []
         t = threading.Thread(target=lambda: results.append(complete(c.url)))
         t.start()
-        time.sleep(0.5)  # the request is in its prefill now
+        wait_until(lambda: c.worker("prefill").counts.running == 1)  # in its prefill now
         reply = admin.Drain(admin_pb2.DrainRequest(instance_id="prefill-0"))
         assert reply.state == "draining" and reply.in_flight == 1 and not reply.idle
         t0 = time.monotonic()

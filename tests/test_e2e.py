@@ -298,14 +298,11 @@ def test_pool_counters_reach_the_conductors_metrics(cluster):
     assert kvs[0]["blocks_saved"] >= 3 and kvs[0]["blocks_loaded"] >= 2, kvs
     want_saved = saved0 + kvs[0]["blocks_saved"]
     want_loaded = loaded0 + kvs[0]["blocks_loaded"] + kvs[1]["blocks_loaded"]
-    t0 = time.monotonic()
-    while True:
-        saved = _pool_metric(cluster, blocks, instance=role["prefill"], kind="saved")
-        loaded = _pool_metric(cluster, blocks, instance=role["decode"], kind="loaded")
-        if saved >= want_saved and loaded >= want_loaded:
-            break
-        assert time.monotonic() - t0 < 15, (saved, want_saved, loaded, want_loaded)
-        time.sleep(0.5)
+    wait_until(lambda: _pool_metric(cluster, blocks, instance=role["prefill"], kind="saved")
+               >= want_saved and _pool_metric(cluster, blocks, instance=role["decode"],
+                                              kind="loaded") >= want_loaded,
+               15, f"the conductor's metrics: {want_saved} blocks saved, {want_loaded} loaded",
+               interval=0.5)
     seconds = "kvcluster_pool_transfer_seconds_count"
     assert _pool_metric(cluster, seconds, instance=role["prefill"], direction="save") > 0
     assert _pool_metric(cluster, seconds, instance=role["decode"], direction="load") > 0

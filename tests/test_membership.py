@@ -94,6 +94,7 @@ async def test_register_then_graceful_stop(
     assert changes[-1] == {}
 
 
+@pytest.mark.slow
 async def test_crashed_registration_expires(
     etcd: EtcdServer, prefix: str, closing: Callable[[Any], Any]
 ) -> None:
@@ -127,6 +128,7 @@ async def test_watcher_ignores_malformed_entries(
     assert await watcher.wait_for(lambda m: m == {}, timeout=5)
 
 
+@pytest.mark.slow
 async def test_survives_etcd_outage(tmp_path: Path, closing: Callable[[Any], Any]) -> None:
     server = EtcdServer(data_dir=tmp_path / "etcd").start()
     try:

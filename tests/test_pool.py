@@ -201,6 +201,7 @@ def test_two_processes(master: StoreMaster, tmp_path: Path) -> None:
 # -- pool full ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_pool_full_is_counted_not_raised(tmp_path: Path) -> None:
     # No eviction (ratio 0, watermark 1.0): a full segment stays full, deterministically.
     with StoreMaster(
@@ -276,6 +277,7 @@ def test_setup_against_a_dead_master_fails_fast() -> None:
     assert time.monotonic() - t0 < 2
 
 
+@pytest.mark.slow
 def test_master_killed_then_restarted(tmp_path: Path) -> None:
     op_timeout = 3.0
     with StoreMaster(log_path=tmp_path / "m.log") as m:

@@ -29,6 +29,7 @@ def test_sync_makes_the_location_hold_exactly_the_listing_but_keeps_predictions(
     assert idx.match([9]).pool == 1  # a routed request's blocks, not written yet
 
 
+@pytest.mark.slow
 async def test_evictions_and_a_restart_reach_the_index(tmp_path):
     chain = block_hashes(list(range(32 * 6)), 32)
     with StoreMaster(log_path=tmp_path / "master.log").start() as master:

@@ -11,6 +11,7 @@ import re
 import grpc
 import httpx
 import pytest
+from conftest import wait_until
 from fake_worker import Knobs, LocalConductor
 
 
@@ -158,7 +159,7 @@ def test_beyond_max_in_flight_new_requests_get_a_fast_429_and_nothing_leaks(mode
         first: list[httpx.Response] = []
         t = threading.Thread(target=lambda: first.append(complete(c.url, PROMPT)))
         t.start()
-        time.sleep(0.3)
+        wait_until(lambda: c.worker("prefill").counts.running == 1)  # the first holds the slot
         t0 = time.monotonic()
         r = complete(c.url, PROMPT)
         assert r.status_code == 429 and time.monotonic() - t0 < 0.5
