@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import random
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +20,7 @@ import structlog
 
 from cluster.etcd_access import EtcdAccess
 from cluster.instance import InstanceInfo
+from cluster.resilience import Backoff
 
 if TYPE_CHECKING:
     from typing import Self
@@ -66,19 +66,6 @@ async def _close_client(client: aetcd.Client | None, timeout: float) -> None:
         await _bounded(client.close(), timeout)
     except Exception as e:  # closing is best-effort
         log.debug("etcd_client_close_failed", error=repr(e))
-
-
-class _Backoff:
-    def __init__(self, first: float = 0.1, cap: float = 1.0) -> None:
-        self.first, self.cap = first, cap
-        self._next = first
-
-    def reset(self) -> None:
-        self._next = self.first
-
-    def next(self) -> float:
-        delay, self._next = self._next, min(self.cap, self._next * 2)
-        return delay * random.uniform(0.8, 1.2)
 
 
 class _EtcdUser:
@@ -214,7 +201,7 @@ class Registration(_EtcdUser):
         await self.stop()
 
     async def _run(self) -> None:
-        backoff = _Backoff(cap=self._max_backoff)
+        backoff = Backoff(0.1, self._max_backoff)
         while True:
             try:
                 if not self._registered:
@@ -360,7 +347,7 @@ class MembershipWatcher(_EtcdUser):
         await self.close()
 
     async def _run(self) -> None:
-        backoff = _Backoff(cap=self._max_backoff)
+        backoff = Backoff(0.1, self._max_backoff)
         while True:
             try:
                 await self._follow(backoff)
@@ -383,7 +370,7 @@ class MembershipWatcher(_EtcdUser):
                 await self._drop_client()
             await asyncio.sleep(backoff.next())
 
-    async def _follow(self, backoff: _Backoff) -> None:
+    async def _follow(self, backoff: Backoff) -> None:
         """One connection's life: snapshot, watch, probe; returns only by raising."""
         client = self._conn()
         snapshot = await self._call(client.get_prefix(self._prefix_bytes))

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
@@ -16,6 +16,7 @@ import structlog
 
 from cluster import keepalive
 from cluster.instance import InstanceInfo, cpu_list
+from cluster.resilience import Breaker
 from cluster.secret import ClusterSecret, bind
 from conductor.scheduler.load import LoadState
 from conductor.scheduler.snapshot import ClusterSnapshot, InstanceLoad, SchedulerParams
@@ -40,11 +41,10 @@ class Instance:
     go on."""
     unhealthy: bool = False
     """Its health service did not answer SERVING at the last check: not routed to."""
-    failures: int = 0
-    """Worker calls failed in a row (transport or server errors, not the caller's)."""
-    open_until: float = 0.0
-    """Circuit breaker: not routed to before this time (monotonic); then half-open: routed
-    again, and the next failure opens it at once."""
+    breaker: Breaker = field(default_factory=lambda: Breaker(2.0, BREAKER_THRESHOLD))
+    """Counts worker calls failed in a row (transport or server errors, not the caller's);
+    open: not routed to until its cool-down ends; then half-open: routed again, and the next
+    failure opens it at once."""
     verified: bool = True
     """It proved it holds the cluster secret (`conductor.health`); False until then when the
     cluster has one: not routed to."""
@@ -61,13 +61,13 @@ class Instance:
 
     @property
     def routable(self) -> bool:
-        return (not self.draining and not self.unhealthy and not self.open_until
+        return (not self.draining and not self.unhealthy and not self.breaker.open
                 and self.verified)
 
     @property
     def state(self) -> str:
         return ("unverified" if not self.verified else "unhealthy" if self.unhealthy
-                else "draining" if self.draining else "broken" if self.open_until
+                else "draining" if self.draining else "broken" if self.breaker.open
                 else "serving")
 
 
@@ -201,34 +201,30 @@ class Registry:
         inst = self._instances.get(instance_id)
         if inst is None:
             return
-        inst.failures += 1
-        if fatal or inst.failures >= BREAKER_THRESHOLD:
-            until = time.monotonic() + cooldown_s
-            if not inst.open_until:
-                log.warning("breaker_open", instance_id=instance_id, failures=inst.failures,
-                            cooldown_s=cooldown_s)
-            inst.open_until = until
-            self._next_close = min(self._next_close, until)
+        breaker = inst.breaker
+        before = breaker.open_until
+        if breaker.failed(fatal, cooldown_s):
+            log.warning("breaker_open", instance_id=instance_id, failures=breaker.failures,
+                        cooldown_s=cooldown_s)
+        if breaker.open_until != before:
+            self._next_close = min(self._next_close, breaker.open_until)
             self._snap = None
 
     def call_succeeded(self, instance_id: str) -> None:
         inst = self._instances.get(instance_id)
-        if inst is not None and inst.failures:
-            inst.failures = 0
+        if inst is not None:
+            inst.breaker.succeeded()
 
     def _half_open(self, now: float) -> None:
         """Breakers whose cool-down ended let traffic through again (half-open: one more
         failure opens them at once, as `failures` stays at the threshold)."""
         nxt = float("inf")
         for inst in self._instances.values():
-            if inst.open_until:
-                if inst.open_until <= now:
-                    inst.open_until = 0.0
-                    inst.failures = max(inst.failures, BREAKER_THRESHOLD - 1)
-                    self._snap = None
-                    log.info("breaker_half_open", instance_id=inst.instance_id)
-                else:
-                    nxt = min(nxt, inst.open_until)
+            if inst.breaker.half_open(now):
+                self._snap = None
+                log.info("breaker_half_open", instance_id=inst.instance_id)
+            elif inst.breaker.open:
+                nxt = min(nxt, inst.breaker.open_until)
         self._next_close = nxt
 
     def set_role(self, instance_id: str, role: str) -> Instance:

@@ -16,7 +16,9 @@ retried. A failure of an instance is survived where something else can run the r
   continues from what was sent, on any decode instance (that one included), like a
   migration.
 
-Every retry waits a jittered, doubling backoff. When nothing else can run the request, the
+Every retry waits a jittered, doubling backoff, and a failed instance counts towards its
+circuit breaker (the mechanisms, shared with the pool and membership: `cluster/resilience.py`).
+When nothing else can run the request, the
 latest failure is the answer. Each path counts in the request's `Outcome` and the metrics,
 and logs a marker (`retry`, `fallback_prefill_on_decode`, `stream_migrated`).
 """
@@ -25,13 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import random
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 import grpc
 import structlog
 
+from cluster.resilience import Backoff
 from conductor.errors import ConductorError, Timeout, UpstreamFailed, from_worker_status
 from protos import worker_pb2
 from store.block_hash import extend_hashes
@@ -47,6 +49,7 @@ MAX_MIGRATIONS = 2
 """Times one stream may move to another decode instance."""
 BACKOFF_S = 0.05
 """First retry's backoff; doubled per retry, capped at 1 s, jittered by ±50%."""
+_BACKOFF = Backoff(BACKOFF_S, 1.0, jitter=0.5)
 
 RETRYABLE = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
@@ -223,8 +226,7 @@ class Recovery:
         return Next.RETRY
 
     async def backoff(self) -> None:
-        n = max(self.outcome.retries, 1)
-        await asyncio.sleep(min(BACKOFF_S * 2 ** (n - 1), 1.0) * random.uniform(0.5, 1.5))
+        await asyncio.sleep(_BACKOFF.nth(self.outcome.retries))
 
 
 def _continuable(prep: Prepared) -> bool:

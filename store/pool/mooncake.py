@@ -36,6 +36,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from cluster.ports import free_port
+from cluster.resilience import Breaker
 from store.pool.calls import Budget, StagingGate, Workers, runs
 from store.pool.config import PoolConfig, probe_master
 from store.pool.outcomes import (
@@ -105,7 +106,7 @@ class MooncakePool:
 
         self.config = config
         self._closed = False
-        self._open_until = 0.0
+        self._breaker = Breaker(_BREAKER_COOLDOWN_S)
         self._lock = threading.Lock()
         self._running: set[object] = set()  # one token per call submitted and not finished
         self._hung: set[object] = set()  # those whose caller stopped waiting
@@ -163,13 +164,13 @@ class MooncakePool:
 
     def _trip(self, why: str) -> None:
         with self._lock:
-            if time.monotonic() >= self._open_until:
+            if self._breaker.allows():
                 log.warning("KV pool %s unavailable: %s", self.config.master_addr, why)
-            self._open_until = time.monotonic() + _BREAKER_COOLDOWN_S
+            self._breaker.failed(fatal=True)
 
     def _reachable(self) -> bool:
         return (
-            time.monotonic() >= self._open_until
+            self._breaker.allows()
             and not self._hung
             and self._store.health_check() == 0
         )
