@@ -45,6 +45,8 @@ class Knobs:
     """`Stats` answers after this long (a hung worker)."""
     engine_times: bool = False
     """Report `EngineTimes` as a real worker does (queued, scheduled, first token, held)."""
+    prefill_gate: threading.Event | None = None
+    """When set, a prefill does not finish until the gate opens (after `prefill_delay_s`)."""
     decode_gate: threading.Event | None = None
     """When set, a decode produces no token until the gate opens (after its hold)."""
     end_gate: threading.Event | None = None
@@ -106,6 +108,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.counts.request_ids.append(request.request_id)
         try:
             await asyncio.sleep(self.knobs.prefill_delay_s)
+            gate = self.knobs.prefill_gate
+            while gate is not None and not gate.is_set():  # the test's thread opens it
+                await asyncio.sleep(0.005)
         except asyncio.CancelledError:
             self.counts.aborted += 1
             raise

@@ -72,7 +72,8 @@ def test_wrong_or_missing_token_is_refused_and_changes_nothing(model_dir):
 
 
 def test_instances_drain_waits_for_in_flight_then_undrain(model_dir):
-    c, addr = conductor(model_dir, ("prefill", "decode"), Knobs(prefill_delay_s=1.5))
+    gate = threading.Event()
+    c, addr = conductor(model_dir, ("prefill", "decode"), Knobs(prefill_gate=gate))
     with c:
         admin = Admin(addr)
         listed = admin.ListInstances(admin_pb2.ListInstancesRequest()).instances
@@ -85,6 +86,7 @@ def test_instances_drain_waits_for_in_flight_then_undrain(model_dir):
         wait_until(lambda: c.worker("prefill").counts.running == 1)  # in its prefill now
         reply = admin.Drain(admin_pb2.DrainRequest(instance_id="prefill-0"))
         assert reply.state == "draining" and reply.in_flight == 1 and not reply.idle
+        gate.set()  # the prefill may finish now
         t0 = time.monotonic()
         reply = admin.Drain(admin_pb2.DrainRequest(instance_id="prefill-0", wait=True))
         assert reply.idle and reply.in_flight == 0 and time.monotonic() - t0 < 5

@@ -153,7 +153,8 @@ def test_beyond_max_in_flight_new_requests_get_a_fast_429_and_nothing_leaks(mode
     import threading
     import time
 
-    with LocalConductor(model_dir, knobs=Knobs(prefill_delay_s=1.0),
+    gate = threading.Event()
+    with LocalConductor(model_dir, knobs=Knobs(prefill_gate=gate),
                         conductor_args=("--max-in-flight", "1",
                                         "--disaggregate", "always")) as c:
         first: list[httpx.Response] = []
@@ -164,6 +165,7 @@ def test_beyond_max_in_flight_new_requests_get_a_fast_429_and_nothing_leaks(mode
         r = complete(c.url, PROMPT)
         assert r.status_code == 429 and time.monotonic() - t0 < 0.5
         assert r.headers["retry-after"] == "1"
+        gate.set()
         t.join(10)
         assert first[0].status_code == 200
         for stream in (False, True, False):  # the count came back down each time
