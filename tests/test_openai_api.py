@@ -268,6 +268,63 @@ def test_a_body_over_the_limit_is_413_unread(model_dir):
         assert ok.status_code == 200, ok.text
 
 
+def _raw_post(url: str, head: bytes, body_bytes: int, chunked: bool) -> bytes:
+    """POST `body_bytes` of JSON-looking filler over a raw socket, stopping as soon as the
+    server answers (it may answer early and close); returns the answer's first bytes."""
+    import select
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        framing = (b"transfer-encoding: chunked" if chunked
+                   else b"content-length: %d" % body_bytes)
+        s.sendall(head + framing + b"\r\n\r\n")
+        piece, sent = b" " * (64 << 10), 0
+        while sent < body_bytes and not select.select([s], [], [], 0)[0]:
+            try:
+                s.sendall(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+            except OSError:  # the server answered and closed while we were sending
+                break
+            sent += len(piece)
+        return s.recv(256)
+
+
+def test_huge_and_nested_bodies_are_4xx_while_a_stream_keeps_its_gaps(model_dir):
+    """A 50 MiB body (sized, then chunked) and 100-deep nesting get 413 / 400 while another
+    client's stream goes on: the conductor's loop, which carries every stream's tokens, never
+    reads or parses them whole (a stall would show as a gap far above the 5 ms cadence)."""
+    import itertools
+    import threading
+    import time
+
+    with LocalConductor(model_dir, knobs=Knobs(token_delay_s=0.005)) as c:
+        arrivals: list[float] = []
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{c.url}/v1/completions", timeout=60, json={
+                    "prompt": "x", "max_tokens": 600, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        arrivals.append(time.monotonic())
+
+        t = threading.Thread(target=stream)
+        t.start()
+        wait_until(lambda: len(arrivals) >= 20, 10)
+        start = time.monotonic()
+        head = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+                b"content-type: application/json\r\n")
+        assert b" 413 " in _raw_post(c.url, head, 50 << 20, chunked=False)
+        assert b" 413 " in _raw_post(c.url, head, 50 << 20, chunked=True)
+        nested = httpx.post(f"{c.url}/v1/completions", timeout=10, json={
+            "prompt": json.loads("[" * 100 + "]" * 100), "max_tokens": 1})
+        assert nested.status_code == 400, nested.text
+        end = time.monotonic()
+        t.join(60)
+        during = [b - a for a, b in itertools.pairwise(arrivals) if a >= start and b <= end]
+        assert arrivals[-1] > end and len(during) >= 5, (len(arrivals), len(during))
+        assert max(during) < 0.25, f"a {max(during) * 1e3:.0f} ms token gap while bodies came in"
+        assert c.worker("decode").counts.generates == 1  # none of them reached a worker
+
+
 def test_the_context_is_the_workers_not_the_models(model_dir, tokenizer):
     """Workers started with a shorter `--max-model-len` than the model's config: the conductor
     checks prompts and clamps `max_tokens` against what they announce."""
