@@ -22,12 +22,15 @@ import asyncio
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aetcd
 import grpc
 from aetcd import rpc, watcher
 from aetcd.client import _handle_errors  # aetcd's grpc -> aetcd error mapping
+
+if TYPE_CHECKING:
+    from cluster.certs import CertFiles
 
 _KEYS = {"ca_file", "cert_file", "key_file", "user", "password_file"}
 
@@ -89,9 +92,27 @@ class EtcdAccess:
                    user=str(spec.get("user", "")),
                    password=password.decode().strip() if password else "")
 
+    @classmethod
+    def from_certs(cls, endpoint: str, files: CertFiles | None) -> EtcdAccess:
+        """TLS with `cluster.certs` files (the client pair), no user; None: plain."""
+        if files is None:
+            return cls(endpoint)
+        return cls(endpoint, ca=files.ca.read_bytes(), cert=files.client_cert.read_bytes(),
+                   key=files.client_key.read_bytes())
+
     @property
     def tls(self) -> bool:
         return self.ca is not None
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        """The TLS channel credentials (CA, client pair); None without TLS."""
+        return grpc.ssl_channel_credentials(self.ca, self.key, self.cert) if self.tls else None
+
+    def channel(self) -> grpc.Channel:
+        """A blocking gRPC channel to etcd, for its generated stubs (`aetcd.rpc`)."""
+        creds = self.credentials()
+        return (grpc.secure_channel(self.endpoint, creds) if creds is not None
+                else grpc.insecure_channel(self.endpoint))
 
     def client(self, timeout: float, options: dict[str, Any]) -> aetcd.Client:
         """A new aetcd client (not yet connected) with this access."""
@@ -99,10 +120,8 @@ class EtcdAccess:
         kwargs: dict[str, Any] = dict(host=host, port=port, timeout=timeout, options=options,
                                       username=self.user or None,
                                       password=self.password or None)
-        if not self.tls:
-            return aetcd.Client(**kwargs)
-        creds = grpc.ssl_channel_credentials(self.ca, self.key, self.cert)
-        return _Client(creds, **kwargs)
+        creds = self.credentials()
+        return aetcd.Client(**kwargs) if creds is None else _Client(creds, **kwargs)
 
 
 class _Client(aetcd.Client):

@@ -19,22 +19,23 @@ import grpc
 from aetcd import rpc  # aetcd's generated etcd v3 stubs
 
 from cluster.certs import CertFiles
+from cluster.etcd_access import EtcdAccess
 
 USER = "kvcluster"
 PREFIX = "/kvcluster/"
 _T = 5.0
 
 
-def enable_auth(endpoint: str, tls: CertFiles | None, user: str, password: str,
-                prefix: str, ready_timeout: float = 20.0) -> str:
-    """etcd auth on, at `endpoint` (over `tls` if given; waits up to `ready_timeout` for it to
+def enable_auth(access: EtcdAccess, user: str, password: str, prefix: str,
+                ready_timeout: float = 20.0) -> str:
+    """etcd auth on, at the etcd `access` reaches (waits up to `ready_timeout` for it to
     answer): `user` may read and write keys under `prefix`, nothing else; every call then
     needs a user. Returns the root user's new, random password (`auth enable` needs root)."""
     root_password = secrets.token_urlsafe(24)
     end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
     perm = rpc.Permission(permType=rpc.Permission.READWRITE, key=prefix.encode(),
                           range_end=end.encode())
-    with _channel(endpoint, tls) as channel:
+    with access.channel() as channel:
         grpc.channel_ready_future(channel).result(timeout=ready_timeout)
         auth = rpc.AuthStub(channel)
         auth.RoleAdd(rpc.AuthRoleAddRequest(name="root"), timeout=_T)
@@ -47,14 +48,6 @@ def enable_auth(endpoint: str, tls: CertFiles | None, user: str, password: str,
         auth.UserGrantRole(rpc.AuthUserGrantRoleRequest(user=user, role=user), timeout=_T)
         auth.AuthEnable(rpc.AuthEnableRequest(), timeout=_T)
     return root_password
-
-
-def _channel(endpoint: str, tls: CertFiles | None) -> grpc.Channel:
-    if tls is None:
-        return grpc.insecure_channel(endpoint)
-    creds = grpc.ssl_channel_credentials(tls.ca.read_bytes(), tls.client_key.read_bytes(),
-                                         tls.client_cert.read_bytes())
-    return grpc.secure_channel(endpoint, creds)
 
 
 def write_access(out: Path, tls: CertFiles | None, password: str) -> Path:
@@ -84,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         tls = CertFiles.in_dir(Path(args.tls_dir))
     out = Path(args.out)
     password = secrets.token_urlsafe(24)
-    root_password = enable_auth(args.endpoint, tls, USER, password, PREFIX)
+    root_password = enable_auth(EtcdAccess.from_certs(args.endpoint, tls), USER, password,
+                                PREFIX)
     access = write_access(out, tls, password)
     root_file = out.parent / "etcd-root.pw"
     root_file.write_text(root_password + "\n")

@@ -20,6 +20,7 @@ forks that way, see cluster/process.py).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -125,7 +126,9 @@ class EtcdServer(ManagedServer):
         return ["--cert-file", str(self.tls.server_cert), "--key-file", str(self.tls.server_key),
                 "--trusted-ca-file", str(self.tls.ca), "--client-cert-auth"]
 
+    @functools.cached_property
     def _ssl_context(self) -> ssl.SSLContext | None:
+        """Built once: `healthy()` polls with it while etcd starts."""
         if self.tls is None:
             return None
         ctx = ssl.create_default_context(cafile=str(self.tls.ca))
@@ -134,9 +137,11 @@ class EtcdServer(ManagedServer):
 
     def enable_auth(self, user: str, password: str, prefix: str) -> str:
         """`cluster.etcd_auth.enable_auth` on this server; returns the root password."""
+        from cluster.etcd_access import EtcdAccess
         from cluster.etcd_auth import enable_auth
 
-        return enable_auth(self.endpoint, self.tls, user, password, prefix)
+        return enable_auth(EtcdAccess.from_certs(self.endpoint, self.tls), user, password,
+                           prefix)
 
     def _env(self) -> dict[str, str]:
         # etcd reads ETCD_* variables as flags; a stray one would change or break this server.
@@ -181,7 +186,7 @@ class EtcdServer(ManagedServer):
         """True if etcd answers GET /health with health=true (it has a leader and serves)."""
         try:
             with urllib.request.urlopen(f"{self.client_url}/health", timeout=timeout,
-                                        context=self._ssl_context()) as resp:
+                                        context=self._ssl_context) as resp:
                 return json.loads(resp.read()).get("health") == "true"
         except (OSError, ValueError, urllib.error.URLError):
             return False
