@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster.instance import InstanceInfo
 from conductor.launcher import ClusterSpec, EmbeddedCluster
 
 BLOCK_SIZE = 32
@@ -52,6 +53,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.engine)
+
+
+ETCD_FAST = {"rpc_timeout": 1.0, "max_backoff": 0.3}
+"""Short etcd timeouts for `Registration` / `MembershipWatcher` in tests: failures are
+noticed and retried quickly."""
+
+
+def make_info(instance_id: str, role: str = "prefill") -> InstanceInfo:
+    """A worker's registration as tests put it in etcd."""
+    return InstanceInfo(instance_id=instance_id, role=role, address="127.0.0.1:50051",
+                        model="tiny-llama", block_size=16, capacity_tokens=4096,
+                        version="0.1.0", started_at=1_700_000_000.5)
 
 
 def wait_until(predicate, timeout: float = 5.0, what: str = "condition not reached in time",

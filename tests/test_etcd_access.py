@@ -14,16 +14,17 @@ from pathlib import Path
 
 import aetcd
 import pytest
+from conftest import ETCD_FAST as FAST
+from conftest import make_info
 
 from cluster import etcd_auth
 from cluster.certs import make_certs
 from cluster.etcd_access import EtcdAccess
 from cluster.etcd_server import EtcdServer
-from cluster.instance import InstanceInfo
 from cluster.membership import DEFAULT_PREFIX, MembershipWatcher, Registration
 from cluster.ports import free_port
 
-FAST = {"rpc_timeout": 1.0, "max_backoff": 0.3}
+
 class Secured:
     def __init__(self, server: EtcdServer, access_file: Path, root_password: str) -> None:
         self.server = server
@@ -47,12 +48,6 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
         server.close()
 
 
-def _info(instance_id: str) -> InstanceInfo:
-    return InstanceInfo(instance_id=instance_id, role="prefill", address="127.0.0.1:50051",
-                        model="tiny-llama", block_size=32, capacity_tokens=4096,
-                        version="0.1.0", started_at=1_700_000_000.5)
-
-
 async def _get(access: EtcdAccess, key: str) -> bytes | None:
     client = access.client(2.0, {})
     try:
@@ -64,7 +59,7 @@ async def _get(access: EtcdAccess, key: str) -> bytes | None:
 
 async def test_the_access_file_registers_and_watches(secured: Secured) -> None:
     assert secured.server.client_url.startswith("https://")
-    info = _info("p-tls")
+    info = make_info("p-tls")
     watcher = MembershipWatcher(secured.access, **FAST)
     registration = Registration(secured.access, info, ttl=5, **FAST)
     try:
@@ -131,7 +126,7 @@ async def test_deploy_etcd_sh_turns_tls_and_auth_on(tmp_path: Path) -> None:
         access = EtcdAccess.load(f"127.0.0.1:{port}",
                                  str(tmp_path / "etcd-access" / "access.toml"))
         assert access.tls and access.user == "kvcluster"
-        registration = Registration(access, _info("p-deployed"), ttl=5, **FAST)
+        registration = Registration(access, make_info("p-deployed"), ttl=5, **FAST)
         try:
             await registration.start(timeout=10)
             assert registration.registered

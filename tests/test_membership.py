@@ -12,27 +12,12 @@ from typing import Any
 
 import aetcd
 import pytest
-from conftest import eventually
+from conftest import ETCD_FAST as FAST
+from conftest import eventually, make_info
 
 from cluster.etcd_server import EtcdServer
 from cluster.instance import InstanceInfo
 from cluster.membership import MembershipWatcher, Registration
-
-# Short timeouts so that failures are noticed and retried quickly in tests.
-FAST = {"rpc_timeout": 1.0, "max_backoff": 0.3}
-
-
-def make_info(instance_id: str, role: str = "prefill") -> InstanceInfo:
-    return InstanceInfo(
-        instance_id=instance_id,
-        role=role,
-        address="127.0.0.1:50051",
-        model="tiny-llama",
-        block_size=16,
-        capacity_tokens=4096,
-        version="0.1.0",
-        started_at=1_700_000_000.5,
-    )
 
 
 @pytest.fixture(scope="module")
