@@ -29,12 +29,14 @@ engine computes.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cluster.instance import cpu_list, format_cpu_list
 
 SPIN_ENV = "KVCLUSTER_ENGINE_SPIN_S"
 """How long an engine's vLLM processes busy-wait for the next message (`Engine.busy_wait`)."""
+WORKER_SPIN_ENV = "KVCLUSTER_WORKER_SPIN_S"
+"""Set: how long its model-worker process busy-waits instead (`Engine.engine_core_cpus`)."""
 BACKGROUND_ENV = "KVCLUSTER_ENGINE_BACKGROUND"
 """Set: the engine runs at SCHED_IDLE (`Engine.background`). Both are read in every vLLM
 process of the engine by `worker/vllm_plugin.py`."""
@@ -62,6 +64,17 @@ class Engine:
     over every core, the serving core too, where a second of spinning after each step starves
     the conductor and the worker front ends (measured with `make bench-serve`: 10-19 of 60
     first tokens held 100-930 ms on their way to the conductor; none with a 10 ms spin)."""
+    engine_core_cpus: str = ""
+    """Where its engine-core process (vLLM's scheduler) runs, when not beside its model worker
+    on `cpu_bind`: the serving cores, for an engine whose cores are its own. Its model
+    worker's compute thread then has its core alone and busy-waits for the next step as vLLM
+    does (1 s), while the engine core, among the serving processes, waits 10 ms at most. The
+    two together, not either alone: measured with the step times of the engine core
+    (`make bench-serve`'s prefix dataset, `auto`, one run each, decode steps of one request,
+    median): both processes on the engine's core 3.6-4.0 ms (the engine core's spinning
+    takes turns with the compute on one core; the worker spinning too: 3.9), the engine core
+    on the serving core alone 4.0, both changes 2.7-2.9; a plain `vllm serve`, which places
+    its processes the same way, 2.4."""
     background: bool = False
     """Whether its vLLM processes (engine core, model worker; not its front end) run at
     `SCHED_IDLE` (`worker/vllm_plugin.py`): set for prefill engines on cores the serving
@@ -81,15 +94,13 @@ class Shape:
     serving_cpus: str = ""
     """The cores the serving processes (conductor, worker front ends, etcd, the store) are
     started on: those no engine computes on but a background one; "" = anywhere. Each bound
-    engine's vLLM processes (engine core, model worker) stay on its own cores (the worker's
-    `--engine-cpus`). Left to themselves, an engine-core process floated to whichever core
-    was free and spun there, and the serving processes floated onto the engines' cores:
-    measured with `make bench-serve`, pd arm, the decode engine's compute thread waited for
-    its core 10.6% of the time (2.7% alone there, 10% beside its own engine core, which
-    yields to it); later token gaps 5.5-5.7 ms, 3.9-4.3 (3 repetitions each). The engine
-    core on the serving core instead (its worker's compute thread alone on the engine's
-    core) was slower: 4.7-5.4 ms in `auto`, where the serving core has nothing else to do;
-    pd, with the background prefill there: TTFT 63-66 ms against 36-51 (one run each)."""
+    engine's model worker stays on its own cores (the worker's `--engine-cpus`), its engine
+    core on these (`Engine.engine_core_cpus`). Left to themselves, an engine-core process
+    floated to whichever core was free and spun there, and the serving processes floated
+    onto the engines' cores: measured with `make bench-serve`, pd arm, the decode engine's
+    compute thread waited for its core 10.6% of the time (2.7% alone there, 10% beside its
+    own engine core, which yields to it); later token gaps 5.5-5.7 ms, 3.9-4.3 (3
+    repetitions each)."""
 
     def count(self, role: str) -> int:
         return sum(e.role == role for e in self.engines)
@@ -155,9 +166,12 @@ def _place(roles: list[str], cores: list[int], gpus: int, reason: str,
     background = len(cores) == len(machine) and "prefill" in roles
     if background:
         reason += "; prefill engines in the background of the serving processes"
-    engines = tuple(Engine(r, format_cpu_list(set(cores[i * per:(i + 1) * per])), per,
-                           background=background and r == "prefill")
-                    for i, r in enumerate(roles))
+    engines = [Engine(r, format_cpu_list(set(cores[i * per:(i + 1) * per])), per,
+                      background=background and r == "prefill") for i, r in enumerate(roles)]
     computing = set().union(*(cpu_list(e.cpu_bind) for e in engines if not e.background))
-    return Shape(engines, reason, format_cpu_list(set(machine) - computing))
+    serving = format_cpu_list(set(machine) - computing)
+    if serving:  # the engines' cores are their own: their schedulers join the serving cores
+        engines = [e if e.background else replace(e, engine_core_cpus=serving)
+                   for e in engines]
+    return Shape(tuple(engines), reason, serving)
 

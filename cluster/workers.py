@@ -12,12 +12,14 @@ from pathlib import Path
 from cluster.engine_spec import EngineSpec
 from cluster.ports import free_port
 from cluster.process import ManagedProcess
-from cluster.shape import BACKGROUND_ENV, SPIN_ENV, Engine
+from cluster.shape import BACKGROUND_ENV, SPIN_ENV, WORKER_SPIN_ENV, Engine
 
 ROLES = ("prefill", "decode", "both")
 CPU_ENGINE_SPIN_S = "0.01"
 """How long the vLLM processes of a CPU engine busy-wait for the next message
 (`worker/vllm_plugin.py`, `Engine.busy_wait`; 0 hung the engine)."""
+VLLM_SPIN_S = "1"
+"""vLLM's own: for the model worker of an engine with a core of its own."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,8 @@ class WorkerSpec(EngineSpec):
             placement.cpu_bind if bound else self.machine_cpus)
         if home:  # its engine's processes on its own cores, not the serving processes'
             argv += ["--engine-cpus", home]
+        if placement is not None and placement.engine_core_cpus:
+            argv += ["--engine-core-cpus", placement.engine_core_cpus]
         if self.secret_file:
             argv += ["--secret-file", self.secret_file]
         if self.pool_store_client:
@@ -91,6 +95,8 @@ class WorkerSpec(EngineSpec):
                 env["CUDA_VISIBLE_DEVICES"] = placement.gpu
         if placement is None or not placement.busy_wait:  # unplaced: floats over every core
             env[SPIN_ENV] = CPU_ENGINE_SPIN_S
+            if placement is not None and placement.engine_core_cpus:  # a core of its own
+                env[WORKER_SPIN_ENV] = VLLM_SPIN_S
         if placement is not None and placement.background:
             env[BACKGROUND_ENV] = "1"
         env.update(dict(self.env))

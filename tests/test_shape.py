@@ -52,3 +52,40 @@ def test_a_prefill_engine_on_the_serving_cores_computes_in_the_background():
 def test_a_shape_that_cannot_serve_is_refused(counts):
     with pytest.raises(ValueError):
         choose([0, 1], **counts)
+
+
+def test_an_engine_with_cores_of_its_own_schedules_from_the_serving_cores():
+    """Its model worker computes alone on its core; its engine core joins the serving ones."""
+    assert [e.engine_core_cpus for e in choose([0, 1]).engines] == ["0"]
+    pd = choose([0, 1], prefill=1, decode=1)  # the background prefill keeps both on core 0
+    assert [(e.role, e.engine_core_cpus) for e in pd.engines] == [("prefill", ""),
+                                                                  ("decode", "0")]
+    for s in (choose([0, 1], both=2), choose([0, 1], prefill=2, decode=2),
+              choose(list(range(8)), gpus=2)):  # no serving core, or nothing bound
+        assert all(e.engine_core_cpus == "" for e in s.engines)
+
+
+def test_the_worker_is_started_with_its_engine_core_placed_and_its_worker_spinning(
+        tmp_path, monkeypatch):
+    import cluster.workers as workers
+    from cluster.shape import SPIN_ENV, WORKER_SPIN_ENV
+
+    started = []
+
+    class Recorder:
+        def __init__(self, name, argv, log, env):
+            started.append((argv, env))
+
+        def start(self):
+            return self
+
+    monkeypatch.setattr(workers, "ManagedProcess", Recorder)
+    spec = workers.WorkerSpec(model="m", etcd="e", pool_master="p", pool_metadata="u",
+                              run_dir=str(tmp_path))
+    for e in choose([0, 1], prefill=1, decode=1).engines:
+        spec.start(e.role, e.role, port=1, placement=e)
+    (prefill_argv, prefill_env), (decode_argv, decode_env) = started
+    assert "--engine-core-cpus" not in prefill_argv and WORKER_SPIN_ENV not in prefill_env
+    assert decode_argv[decode_argv.index("--engine-core-cpus") + 1] == "0"
+    assert decode_argv[decode_argv.index("--engine-cpus") + 1] == "1"
+    assert decode_env[WORKER_SPIN_ENV] == "1" and decode_env[SPIN_ENV] == "0.01"

@@ -62,6 +62,10 @@ class WorkerConfig:
     """The cores (a CPU list) the engine's processes (engine core, model worker) start on,
     where this front end does not run: vLLM then binds its OpenMP threads by
     `VLLM_CPU_OMP_THREADS_BIND` (`cluster.shape.Engine.home`). "": this process's cores."""
+    engine_core_cpus: str = ""
+    """The cores the engine-core process (vLLM's scheduler) runs on, when not `engine_cpus`:
+    the model worker it forks then binds its OpenMP threads to `engine_cpus` by
+    `VLLM_CPU_OMP_THREADS_BIND` (`cluster.shape.Engine.engine_core_cpus`)."""
     kv_events: bool = True
     """Publish the engine's prefix-cache changes to the conductor (the `KvEvents` RPC)."""
     secret_file: str = ""
@@ -87,6 +91,9 @@ class WorkerConfig:
         if self.engine_cpus and not cpu_list(self.engine_cpus) <= set(
                 range(os.cpu_count() or 1)):
             raise ValueError(f"engine_cpus: no such cores here: {self.engine_cpus!r}")
+        if self.engine_core_cpus and not cpu_list(self.engine_core_cpus) <= set(
+                range(os.cpu_count() or 1)):
+            raise ValueError(f"engine_core_cpus: no such cores here: {self.engine_core_cpus!r}")
         object.__setattr__(self, "_secret", ClusterSecret.load(self.secret_file))
         object.__setattr__(self, "_etcd_access", EtcdAccess.load(self.etcd,
                                                                  self.etcd_access_file))

@@ -102,7 +102,7 @@ class Engine:
             args.kv_events_config = self.relay.events_config()
         from worker.telemetry import load_logger_factory
 
-        with _forking_on(c.engine_cpus):
+        with _forking_on(c.engine_core_cpus or c.engine_cpus):
             self._llm = AsyncLLM.from_engine_args(
                 args, stat_loggers=[load_logger_factory(self.load)])
         log.info("engine_started", model=c.model, role=c.role, namespace=self.namespace)

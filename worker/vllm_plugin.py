@@ -11,7 +11,9 @@ whatever core it lands on, the serving processes' too (measured: two engines on 
 each worker process at 90% of a core, the conductor's health checks and etcd timing out; one
 engine bound to its own core, first tokens held up to 930 ms on their way to the conductor).
 The launcher sets it to 0.01 s for every CPU engine (`cluster.shape.Engine.busy_wait`; 0 hung
-the engine at start).
+the engine at start). `KVCLUSTER_WORKER_SPIN_S`, where set, applies to the model worker
+instead: vLLM's 1 s for an engine whose core is its own and whose engine core runs among the
+serving processes (`cluster.shape.Engine.engine_core_cpus`).
 
 `KVCLUSTER_CPU_SEEDS` (set by every CPU engine): seeded requests prefilled in chunks do not
 kill the engine (`_chunkable_cpu_seeds`).
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import os
 
-from cluster.shape import BACKGROUND_ENV, SPIN_ENV
+from cluster.shape import BACKGROUND_ENV, SPIN_ENV, WORKER_SPIN_ENV
 
 CPU_SEEDS_ENV = "KVCLUSTER_CPU_SEEDS"
 """Set (by `worker.engine` on CPU): seeded requests get generators that survive chunking."""
@@ -68,12 +70,28 @@ def _spin() -> None:
         return
     original = cls.__init__
     seconds = float(spin)
+    worker_seconds = float(os.environ.get(WORKER_SPIN_ENV) or spin)
 
     def __init__(self, is_reader, context, notify_address, busy_loop_s: float = 1):
-        original(self, is_reader, context, notify_address, busy_loop_s=seconds)
+        s = worker_seconds if _in_model_worker() else seconds
+        original(self, is_reader, context, notify_address, busy_loop_s=s)
 
     cls.__init__ = __init__
     cls._kvcluster_spin = seconds
+
+
+def _in_model_worker() -> bool:
+    """This process is an engine's model worker (vLLM names it `VllmWorker-<rank>` and
+    titles it `VLLM::Worker`), not its engine core."""
+    import multiprocessing
+
+    if multiprocessing.current_process().name.startswith("VllmWorker"):
+        return True
+    try:
+        with open("/proc/self/comm") as f:
+            return "Worker" in f.read()
+    except OSError:
+        return False
 
 
 def _chunkable_cpu_seeds() -> None:
