@@ -35,6 +35,7 @@ import httpx
 from benchmarks.machine import StallWatch, cpu_probe_s, describe
 from cluster.ports import free_port
 from cluster.process import ManagedProcess
+from worker import step_log
 
 EXTRA: list[str] = []
 ROOT = Path(__file__).resolve().parents[1]
@@ -214,7 +215,7 @@ def scrape(url: str) -> dict[str, float]:
 
 
 KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "median_gap1_ms",
-        "median_itl_later_ms", "p99_itl_ms")
+        "median_itl_later_ms", "p99_itl_ms", "engine_decode1_ms")
 
 
 def cells(results: list[Result]) -> dict[tuple[str, str], list[Result]]:
@@ -239,8 +240,10 @@ def spread(rs: list[Result], key: str) -> str:
 def table(results: list[Result]) -> str:
     rows = ["| dataset | arm | ok/n | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms "
             "| 1st-2nd token gap p50 ms | later ITL p50 ms | ITL p99 ms "
-            "| TTFT x plain | TPOT x plain | host stalls s (per run) |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+            "| engine step p50 ms (1 request) | TTFT x plain | TPOT x plain "
+            "| host stalls s (per run) |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+            "| --- |"]
     c = cells(results)
     for (arm, ds), rs in sorted(c.items(), key=lambda kv: (kv[0][1], ARMS.index(kv[0][0]))):
         ok = sum(r.bench["completed"] for r in rs)
@@ -330,6 +333,8 @@ def run_arm(arm: str, rep: int, a: argparse.Namespace, model: str, datasets: lis
     probe = cpu_probe_s()
     t0 = time.monotonic()
     run_dir = Path(f"/tmp/kvcluster-bench-serve-{arm}-{uuid.uuid4().hex[:6]}")
+    steps = run_dir / "steps"
+    os.environ[step_log.ENV] = str(steps)  # for the arm's engines, ours and plain
     if arm == "plain":
         from conductor.launcher import spec_from_args
 
@@ -349,6 +354,9 @@ def run_arm(arm: str, rep: int, a: argparse.Namespace, model: str, datasets: lis
             with StallWatch() as watch:
                 bench = run_bench(r, model, ds, a.rate, a.num_prompts,
                                   a.seed + 100 * rep + n, out / "runs")
+            time.sleep(2 * step_log.FLUSH_S)  # the engines' last steps reach their files
+            bench["engine_decode1_ms"] = step_log.summary(
+                step_log.read(steps, t1, time.monotonic()))["decode1_ms"]
             res = Result(arm, ds, rep, {k: v for k, v in bench.items()
                                         if not isinstance(v, list)},
                          errors=[e for e in bench.get("errors", []) if e][:10],
@@ -364,6 +372,7 @@ def run_arm(arm: str, rep: int, a: argparse.Namespace, model: str, datasets: lis
                   f"{sum(watch.stalls):.1f} s ({len(watch.stalls)})", flush=True)
     finally:
         r.stop()
+        os.environ.pop(step_log.ENV, None)
     return results
 
 

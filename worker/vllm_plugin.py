@@ -18,6 +18,8 @@ serving processes (`cluster.shape.Engine.engine_core_cpus`).
 `KVCLUSTER_CPU_SEEDS` (set by every CPU engine): seeded requests prefilled in chunks do not
 kill the engine (`_chunkable_cpu_seeds`).
 
+`KVCLUSTER_STEP_LOG=<dir>`: the engine core records its step times there (`worker.step_log`).
+
 `KVCLUSTER_ENGINE_BACKGROUND` (set by the launcher for `cluster.shape.Engine.background`): the
 engine's processes (engine core, model worker), not the worker's front end that starts them,
 run at `SCHED_IDLE`, so that the serving processes on the same core preempt them at once; the
@@ -31,12 +33,15 @@ from __future__ import annotations
 import os
 
 from cluster.shape import BACKGROUND_ENV, SPIN_ENV, WORKER_SPIN_ENV
+from worker import step_log
 
 CPU_SEEDS_ENV = "KVCLUSTER_CPU_SEEDS"
 """Set (by `worker.engine` on CPU): seeded requests get generators that survive chunking."""
 
 
 def register() -> None:
+    if os.environ.get(step_log.ENV):
+        step_log.install(os.environ[step_log.ENV])
     _spin()
     if os.environ.get(CPU_SEEDS_ENV):
         _chunkable_cpu_seeds()
