@@ -109,7 +109,8 @@ class Shape:
         parts = [f"{self.count(r)} {r}" for r in ("prefill", "decode", "both") if self.count(r)]
         places = ", ".join(f"{e.role}: {'gpu ' + e.gpu if e.gpu else 'cores ' + e.cpu_bind}"
                            f" x{e.threads}{' background' if e.background else ''}"
-                           for e in self.engines)
+                           + (f" (scheduler on {e.engine_core_cpus})" if e.engine_core_cpus
+                              else "") for e in self.engines)
         serving = f"; serving processes on cores {self.serving_cpus}" if self.serving_cpus else ""
         return f"{' + '.join(parts)} ({places}{serving}): {self.reason}"
 

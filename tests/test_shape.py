@@ -57,6 +57,7 @@ def test_a_shape_that_cannot_serve_is_refused(counts):
 def test_an_engine_with_cores_of_its_own_schedules_from_the_serving_cores():
     """Its model worker computes alone on its core; its engine core joins the serving ones."""
     assert [e.engine_core_cpus for e in choose([0, 1]).engines] == ["0"]
+    assert "both: cores 1 x1 (scheduler on 0)" in choose([0, 1]).describe()
     pd = choose([0, 1], prefill=1, decode=1)  # the background prefill keeps both on core 0
     assert [(e.role, e.engine_core_cpus) for e in pd.engines] == [("prefill", ""),
                                                                   ("decode", "0")]
