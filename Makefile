@@ -45,7 +45,7 @@ model: install
 	$(PY) -m tinymodel
 
 run: install
-	$(PY) -m conductor.launcher --port $(PORT) $(if $(MODEL),--model $(MODEL)) $(ARGS)
+	$(PY) -m embedded --port $(PORT) $(if $(MODEL),--model $(MODEL)) $(ARGS)
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)

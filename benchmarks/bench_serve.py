@@ -87,7 +87,7 @@ class Result:
 
 
 def start_ours(name: str, launcher_args: list[str], run_dir: Path) -> Running:
-    from conductor.launcher import EmbeddedCluster, spec_from_args
+    from embedded import EmbeddedCluster, spec_from_args
 
     spec = spec_from_args([*launcher_args, "--port", "0", "--admin-port", "-1",
                            "--run-dir", str(run_dir)])
@@ -336,7 +336,7 @@ def run_arm(arm: str, rep: int, a: argparse.Namespace, model: str, datasets: lis
     steps = run_dir / "steps"
     os.environ[step_log.ENV] = str(steps)  # for the arm's engines, ours and plain
     if arm == "plain":
-        from conductor.launcher import spec_from_args
+        from embedded import spec_from_args
 
         spec = spec_from_args(a.auto_args.split())
         r = start_plain(model, spec.kv_cache_bytes * spec.engines(), spec.block_size,

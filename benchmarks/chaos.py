@@ -50,7 +50,7 @@ from pathlib import Path
 import grpc
 import httpx
 
-from conductor.launcher import ClusterSpec, EmbeddedCluster
+from embedded import ClusterSpec, EmbeddedCluster
 from protos import admin_pb2, admin_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cluster.instance import InstanceInfo
-from conductor.launcher import ClusterSpec, EmbeddedCluster
+from embedded import ClusterSpec, EmbeddedCluster
 
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 2048

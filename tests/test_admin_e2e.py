@@ -29,7 +29,7 @@ import httpx
 import pytest
 from conftest import wait_until
 
-from conductor.launcher import ClusterSpec, EmbeddedCluster
+from embedded import ClusterSpec, EmbeddedCluster
 from protos import admin_pb2, admin_pb2_grpc
 
 LEASE_TTL = 6.0

@@ -10,7 +10,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from conductor import ctl
+from conductorctl import cli as ctl
 from protos import admin_pb2, admin_pb2_grpc
 
 TOKEN = "s3cret-token"

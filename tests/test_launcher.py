@@ -61,7 +61,7 @@ def test_launcher_serves_restarts_a_dead_engine_and_ctrl_c_leaves_nothing(model_
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "conductor.launcher", "--model", model_dir, "--port",
+            [sys.executable, "-m", "embedded", "--model", model_dir, "--port",
              str(port), "--run-dir", str(tmp_path / "run"), "--admin-port", "0"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     finally:

@@ -8,8 +8,8 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("conductor", "worker", "prefill_worker", "decode_worker", "store", "cluster",
-            "simulator", "tinymodel", "benchmarks")
+PACKAGES = ("conductor", "conductorctl", "embedded", "worker", "prefill_worker",
+            "decode_worker", "store", "cluster", "simulator", "tinymodel", "benchmarks")
 SCHEDULER = "conductor.scheduler"
 
 
@@ -67,3 +67,13 @@ def test_the_simulator_and_the_benchmarks_use_the_schedulers_public_surface() ->
             if name.startswith(("simulator", "benchmarks"))
             for target in _imports(path, mods) if target.startswith(SCHEDULER + ".")}
     assert not deep, sorted(deep)
+
+
+def test_the_launcher_and_the_cli_sit_above_what_they_start() -> None:
+    """`embedded` starts the conductor and the workers as processes, `conductorctl` calls the
+    admin API: nothing they start imports them."""
+    graph = _graph()
+    above = {"embedded", "conductorctl"}
+    leaks = {p: sorted(above & set(graph.get(p, {}))) for p in PACKAGES + (SCHEDULER,)
+             if p not in above | {"benchmarks"} and above & set(graph.get(p, {}))}
+    assert not leaks, leaks

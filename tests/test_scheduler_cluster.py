@@ -20,7 +20,7 @@ import httpx
 import pytest
 from conftest import BLOCK_SIZE, DTYPE, LEASE_TTL, MAX_MODEL_LEN, wait_until
 
-from conductor.launcher import ClusterSpec, EmbeddedCluster
+from embedded import ClusterSpec, EmbeddedCluster
 from protos import worker_pb2
 from store.block_hash import block_hashes, from_wire
 

@@ -8,7 +8,7 @@ import httpx
 from conftest import BLOCK_SIZE, DTYPE, LEASE_TTL, MAX_MODEL_LEN, MAX_TOKENS
 from test_e2e import assert_same_output
 
-from conductor.launcher import ClusterSpec, EmbeddedCluster
+from embedded import ClusterSpec, EmbeddedCluster
 
 
 def test_a_request_through_the_shm_pool_equals_a_single_engine(model_dir, prompt_ids, reference,

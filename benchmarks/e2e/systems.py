@@ -31,7 +31,7 @@ import httpx
 from cluster.engine_spec import EngineSpec
 from cluster.ports import free_port
 from cluster.process import ManagedProcess
-from conductor.launcher import ClusterSpec, EmbeddedCluster
+from embedded import ClusterSpec, EmbeddedCluster
 from protos import worker_pb2
 from store.master import StoreClientService, StoreMaster
 from store.namespace import kv_namespace

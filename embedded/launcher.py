@@ -1,7 +1,7 @@
 """The embedded single-machine cluster: etcd, the Mooncake master, prefill and decode workers,
 and the conductor, each a child process in its own process group, all on loopback.
 
-`python -m conductor.launcher` (what `make run` calls) starts it, prints the endpoint and a
+`python -m embedded` (what `make run` calls) starts it, prints the endpoint and a
 `curl` line, and stops every child on Ctrl-C. Tests use the same class, so the tests and the
 user run one code path.
 """
@@ -355,7 +355,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def spec_from_args(argv: list[str] | None = None) -> ClusterSpec:
-    """The cluster `python -m conductor.launcher ARGV` (and so `make run`) starts."""
+    """The cluster `python -m embedded ARGV` (and so `make run`) starts."""
     from tinymodel.builder import ensure_model
 
     a = parser().parse_args(argv)

@@ -1,0 +1,3 @@
+from conductorctl.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,3 @@
+from embedded.launcher import main
+
+raise SystemExit(main())
