@@ -1,0 +1,27 @@
+"""`make chaos`: kill parts of a running cluster under traffic and classify every answer.
+
+An embedded cluster (2 prefill + 2 decode workers, real vLLM engines, a real Mooncake master
+and etcd) serves a fixed, deterministic set of greedy completions (token-id prompts, some
+sharing long prefixes, half streamed) while a fault schedule runs, one fault at a time:
+
+  decode   kill -9 a decode worker with streams in flight on it, start a new one
+  prefill  kill -9 a prefill worker (one with prefills queued, when there is one), start one
+  store    kill -9 the Mooncake master, restart it on the same ports a few seconds later
+  etcd     stop etcd, start it again after 2x the lease TTL
+  stall_decode  SIGSTOP a decode worker with streams on it for 15 s (past the inter-token
+           deadline: its streams move on), then SIGCONT
+  stall_store   SIGSTOP the Mooncake master for 8 s (past the pool's timeout), then SIGCONT
+
+Two requests in every five share their client request id (`request_id`): each must still get
+its own, right answer.
+
+Every answer is compared with a single-engine greedy reference (tests/reference_engine.py,
+computed before the cluster starts and cached in the run dir) and classified as ok,
+clean_error, wrong, hung or lost (docs/reliability.md). The last line printed is
+
+  chaos total=<n> ok=<n> clean_errors=<n> hung=<n> lost=<n> wrong=<n> migrated=<n>
+  fallbacks=<n> stalled=<n>
+
+(one line; `stalled`: the conductor's `decode_stalled` log lines, streams it moved on after
+their inter-token deadline.)
+"""
