@@ -48,7 +48,9 @@ class Knobs:
     prefill_gate: threading.Event | None = None
     """When set, a prefill does not finish until the gate opens (after `prefill_delay_s`)."""
     decode_gate: threading.Event | None = None
-    """When set, a decode produces no token until the gate opens (after its hold)."""
+    """When set, a decode produces no token until the gate opens (after its hold), or, with
+    `gate_after_chunks`, none after that many."""
+    gate_after_chunks: int = 0
     end_gate: threading.Event | None = None
     """When set, a decode's stream stays open after its last chunk until the gate opens."""
     first_token_shift: int = 0
@@ -146,9 +148,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(request.pool_wait.wait_s):
                         await ready.wait()
-            gate = self.knobs.decode_gate
-            while gate is not None and not gate.is_set():  # the test's thread opens it
-                await asyncio.sleep(0.005)
+            await self._gate(0)
             times = _times(received, time.time()) if self.knobs.engine_times else None
             texts = ["" for _ in range(p.n or 1)]
             for step in range(p.max_tokens):
@@ -162,6 +162,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                             k.fail_budget[0] -= 1
                         await context.abort(k.decode_status, "injected engine error")
                     await asyncio.sleep(self.knobs.token_delay_s)
+                    if sent:
+                        await self._gate(sent)
                     chunk = self._chunk(p, request, step, index, texts, first=sent == 0)
                     if times is not None and (sent == 0 or chunk.finish_reason):
                         chunk.times.CopyFrom(times)
@@ -175,6 +177,12 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             raise
         finally:
             self.counts.running -= 1
+
+    async def _gate(self, sent: int) -> None:
+        """Hold the stream while `decode_gate` is shut, at `gate_after_chunks` chunks."""
+        gate = self.knobs.decode_gate
+        while gate is not None and sent == self.knobs.gate_after_chunks and not gate.is_set():
+            await asyncio.sleep(0.005)  # the test's thread opens it
 
     def _chunk(self, p, request, step: int, index: int, texts: list, first: bool):
         if self.knobs.continue_sequence:

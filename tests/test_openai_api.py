@@ -422,7 +422,10 @@ def test_a_per_request_slo_rejects_only_that_request(client, model):
 
 
 def test_client_disconnect_aborts_prefill_and_decode(model_dir):
-    with LocalConductor(model_dir, knobs=Knobs(prefill_delay_s=30),
+    import threading
+
+    prefill_gate, decode_gate = threading.Event(), threading.Event()  # opened by no one
+    with LocalConductor(model_dir, knobs=Knobs(prefill_gate=prefill_gate),
                         conductor_args=("--disaggregate", "always")) as c:
         prefill, decode = c.worker("prefill"), c.worker("decode")
         body = json.dumps({"prompt": "word " * 200, "max_tokens": 4}).encode()
@@ -435,9 +438,10 @@ def test_client_disconnect_aborts_prefill_and_decode(model_dir):
         wait_until(lambda: decode.counts.aborted == 1 and decode.counts.running == 0)
         decode.counts.aborted = 0
 
-        c.knobs.prefill_delay_s, c.knobs.token_delay_s = 0.0, 0.01
+        prefill_gate.set()  # now the prefill answers, and the decode streams a token
+        c.knobs.decode_gate, c.knobs.gate_after_chunks = decode_gate, 1  # then holds
         with httpx.stream("POST", f"{c.url}/v1/completions", json={
-                "prompt": "word " * 200, "max_tokens": 1000, "stream": True}) as r:
+                "prompt": "word " * 200, "max_tokens": 8, "stream": True}) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
             wait_until(lambda: decode.counts.running == 1)

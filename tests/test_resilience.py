@@ -179,8 +179,9 @@ def test_a_call_cancelled_by_its_channel_closing_is_an_instance_failure(model_di
     import threading
     import time
 
+    gate = threading.Event()  # the first decode holds its stream open until the channel closes
     with LocalConductor(model_dir, roles=("prefill", "decode", "decode"),
-                        knobs=Knobs(continue_sequence=True, token_delay_s=0.3)) as c:
+                        knobs=Knobs(continue_sequence=True, decode_gate=gate)) as c:
         result: list[httpx.Response] = []
         t = threading.Thread(target=lambda: result.append(
             complete(c.url, PROMPT, max_tokens=4, stream=True)))
@@ -193,6 +194,7 @@ def test_a_call_cancelled_by_its_channel_closing_is_an_instance_failure(model_di
         busy = next(n for n, w in c.workers.items() if n.startswith("decode") and w.counts.running)
         asyncio.run_coroutine_threadsafe(registry.get(busy).channel.close(grace=None),
                                          c._loop).result(5)
+        gate.set()
         t.join(20)
         text, _ = streamed_text(result[0])
         assert text == expected(PROMPT, 4)
@@ -209,8 +211,9 @@ def test_a_decode_instance_that_left_during_the_prefill_still_answers(model_dir)
     import threading
     import time
 
+    gate = threading.Event()  # the prefill runs until the decode's instance has left
     with LocalConductor(model_dir, roles=("prefill", "decode", "decode"),
-                        knobs=Knobs(continue_sequence=True, prefill_delay_s=1.0),
+                        knobs=Knobs(continue_sequence=True, prefill_gate=gate),
                         conductor_args=("--disaggregate", "always")) as c:
         result: list[httpx.Response] = []
         t = threading.Thread(target=lambda: result.append(complete(c.url, PROMPT, max_tokens=4)))
@@ -224,12 +227,13 @@ def test_a_decode_instance_that_left_during_the_prefill_still_answers(model_dir)
         waiting = c.workers[chosen[0].instance_id]
         prefill = c.worker("prefill").counts
         # the decode started beside the prefill (the two RPCs arrive in either order), and
-        # the prefill still runs (its 1 s delay)
+        # the prefill still runs (held by the gate)
         while not (waiting.counts.generates and prefill.running):
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert prefill.prefills == 1 and prefill.running == 1
         asyncio.run_coroutine_threadsafe(chosen[0].channel.close(grace=30), c._loop).result(5)
+        gate.set()
         t.join(20)
         assert result[0].status_code == 200, result[0].text
         assert result[0].json()["choices"][0]["text"] == expected(PROMPT, 4)
