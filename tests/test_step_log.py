@@ -22,27 +22,27 @@ def test_steps_read_back_by_window_and_one_request_decode_steps_summarised(tmp_p
 
 
 def test_install_times_every_step_that_scheduled_tokens(tmp_path, monkeypatch):
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.engine.core import EngineCore
-
     plans = iter([(1, 1), (0, 0), (64, 2)])
 
-    def schedule(self):
-        tokens, requests = next(plans)
-        return SimpleNamespace(total_num_scheduled_tokens=tokens,
-                               num_scheduled_tokens=dict.fromkeys(range(requests), 1))
+    class Scheduler:  # vLLM's, as far as the log reads it
+        def schedule(self):
+            tokens, requests = next(plans)
+            return SimpleNamespace(total_num_scheduled_tokens=tokens,
+                                   num_scheduled_tokens=dict.fromkeys(range(requests), 1))
 
-    def step(self):
-        return Scheduler.schedule(self)  # as vLLM's step does, through the class
+    class EngineCore:
+        def __init__(self):
+            self.scheduler = Scheduler()
 
-    monkeypatch.setattr(Scheduler, "schedule", schedule)
-    monkeypatch.setattr(EngineCore, "step", step)
-    monkeypatch.setattr(EngineCore, "_kvcluster_step_log", False, raising=False)
+        def step(self):
+            return self.scheduler.schedule()
+
     monkeypatch.setattr(step_log, "FLUSH_S", 0.0)  # write at every step
-    step_log.install(str(tmp_path))
-    step_log.install(str(tmp_path))  # idempotent: one wrapper, one line per step
+    step_log.install(str(tmp_path), Scheduler, EngineCore)
+    step_log.install(str(tmp_path), Scheduler, EngineCore)  # idempotent: one line per step
+    core = EngineCore()
     for _ in range(3):
-        EngineCore.step(object())
+        core.step()
     steps = step_log.read(tmp_path)
     assert [(s.tokens, s.requests) for s in steps] == [(1, 1), (64, 2)]  # the empty step not
     assert all(s.end >= s.start for s in steps)

@@ -34,26 +34,31 @@ class Step:
         return (self.end - self.start) * 1e3
 
 
-def install(directory: str) -> None:
-    """Record this process's engine steps into `directory` (idempotent)."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.engine.core import EngineCore
+def install(directory: str, scheduler_cls: type | None = None,
+            engine_core_cls: type | None = None) -> None:
+    """Record this process's engine steps into `directory` (idempotent). The classes to wrap
+    are vLLM's `Scheduler` and `EngineCore` unless given."""
+    if scheduler_cls is None or engine_core_cls is None:
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.engine.core import EngineCore
 
-    if getattr(EngineCore, "_kvcluster_step_log", False):
+        scheduler_cls, engine_core_cls = scheduler_cls or Scheduler, engine_core_cls or EngineCore
+
+    if getattr(engine_core_cls, "_kvcluster_step_log", False):
         return
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"steps-{os.getpid()}.txt")
     lines: list[str] = []
     flushed = [time.monotonic()]
     scheduled: list[tuple[int, int]] = []
-    schedule = Scheduler.schedule
+    schedule = scheduler_cls.schedule
 
     def counting_schedule(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         out = schedule(self, *args, **kwargs)
         scheduled.append((out.total_num_scheduled_tokens, len(out.num_scheduled_tokens)))
         return out
 
-    step = EngineCore.step
+    step = engine_core_cls.step
 
     def timed_step(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         scheduled.clear()
@@ -70,9 +75,9 @@ def install(directory: str) -> None:
             flushed[0] = end
         return result
 
-    Scheduler.schedule = counting_schedule
-    EngineCore.step = timed_step
-    EngineCore._kvcluster_step_log = True
+    scheduler_cls.schedule = counting_schedule
+    engine_core_cls.step = timed_step
+    engine_core_cls._kvcluster_step_log = True
 
 
 def read(directory: Path | str, start: float = 0.0, end: float = float("inf")) -> list[Step]:
