@@ -124,8 +124,7 @@ def test_deployed_resize_switches_both_instances_drains_surplus_and_says_what_it
         # drained surplus instances stay as standbys (nothing can restart them here)
         r = admin.ResizePool(admin_pb2.ResizePoolRequest(role="prefill", target=1))
         assert list(r.switched) == ["both-0"] and len(r.drained) == 1
-        time.sleep(0.5)
-        assert admin.states()[r.drained[0]] == ("prefill", "draining")
+        wait_until(lambda: admin.states()[r.drained[0]] == ("prefill", "draining"))
         assert not any(w.counts.retired for w in c.workers.values())
         with pytest.raises(grpc.RpcError) as e:
             admin.ResizePool(admin_pb2.ResizePoolRequest(role="router", target=1))

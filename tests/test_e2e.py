@@ -245,10 +245,11 @@ def _threads(pid: int, get) -> set:
 
 
 def test_engines_keep_to_their_cores_and_a_background_one_runs_at_sched_idle(cluster):
-    """`cluster.shape`: every engine's vLLM processes (engine core, model worker) on its own
-    cores, at SCHED_IDLE when it is a background engine (the prefill engine here, on 2 cores)
-    but for their pool I/O threads;
-    the worker's front end and the conductor on the serving cores at SCHED_OTHER."""
+    """`cluster.shape`: every engine's model worker on its own cores, its engine core there
+    too or, for an engine with cores of its own, on the serving cores
+    (`Engine.engine_core_cpus`), at SCHED_IDLE when it is a background engine (the prefill
+    engine here, on 2 cores) but for their pool I/O threads; the worker's front end and the
+    conductor on the serving cores at SCHED_OTHER."""
     shape = cluster.spec.shape
     serving = cpu_list(shape.serving_cpus) if shape.serving_cpus else None
     for wp in cluster.workers.values():
@@ -260,6 +261,7 @@ def test_engines_keep_to_their_cores_and_a_background_one_runs_at_sched_idle(clu
             assert _threads(front.pid, os.sched_getaffinity) == {serving}, wp.instance_id
         policy = os.SCHED_IDLE if wp.engine.background else os.SCHED_OTHER
         own = cpu_list(wp.engine.cpu_bind)
+        scheduler = cpu_list(wp.engine.engine_core_cpus) if wp.engine.engine_core_cpus else own
         for p in engine:
             # the main thread at the engine's policy; the pool client's transfer threads (they
             # serve the other engines' reads of this one's segment), the saver and the loader
@@ -269,13 +271,16 @@ def test_engines_keep_to_their_cores_and_a_background_one_runs_at_sched_idle(clu
             assert policies == ({policy, os.SCHED_OTHER} if wp.engine.background else {policy})
             # the main thread: the engine core's loop, the model worker's forward passes
             # (Mooncake's transfer threads in the model worker set their own affinity)
-            assert os.sched_getaffinity(p.pid) <= own, (wp.instance_id, p.name())
+            home = scheduler if p.name() == "VLLM::EngineCore" else own
+            assert os.sched_getaffinity(p.pid) <= home, (wp.instance_id, p.name())
     if serving:
         assert _threads(cluster.conductor.pid, os.sched_getaffinity) == {serving}
     if os.cpu_count() == 2:  # this machine: Mooncake's shape leaves no core to the serving
         assert serving == {0}
         assert [(wp.role, wp.engine.background) for wp in cluster.workers.values()
                 if wp.engine.background] == [("prefill", True)]
+        assert {wp.role: wp.engine.engine_core_cpus for wp in cluster.workers.values()} == {
+            "prefill": "", "decode": "0"}  # the decode's scheduler among the serving processes
 
 
 def test_pool_counters_reach_the_conductors_metrics(cluster):

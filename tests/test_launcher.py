@@ -102,9 +102,8 @@ def test_launcher_serves_restarts_a_dead_engine_and_ctrl_c_leaves_nothing(model_
         if proc.poll() is None:
             os.killpg(os.getpgid(proc.pid), signal.SIGKILL)
             proc.wait()
-    time.sleep(0.5)
-    left = [p for p in seen if _alive(p)]
-    assert not left, f"processes left behind: {left}"
+    wait_until(lambda: not any(_alive(p) for p in seen), timeout=5.0,
+               what="processes left behind")
 
 
 def test_a_child_outlives_the_thread_that_started_it(tmp_path):
