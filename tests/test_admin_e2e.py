@@ -132,7 +132,7 @@ def test_wrong_token_is_refused_and_the_pool_is_unchanged(ctl):
         admin(ctl, token="not-the-token")("ResizePool", admin_pb2.ResizePoolRequest(
             role="decode", target=3))
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    time.sleep(1.0)
+    time.sleep(1.0)  # a negative wait: long enough for a resize to show, had one started
     after = instances(ctl)
     assert after.keys() == before.keys() and len(ctl.workers) == 3
     assert all(i.state == "serving" for i in after.values())
