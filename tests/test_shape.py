@@ -90,3 +90,15 @@ def test_the_worker_is_started_with_its_engine_core_placed_and_its_worker_spinni
     assert decode_argv[decode_argv.index("--engine-core-cpus") + 1] == "0"
     assert decode_argv[decode_argv.index("--engine-cpus") + 1] == "1"
     assert decode_env[WORKER_SPIN_ENV] == "1" and decode_env[SPIN_ENV] == "0.01"
+
+
+@pytest.mark.parametrize("flag", ["--engine-cpus", "--engine-core-cpus"])
+def test_a_worker_refuses_cores_the_machine_lacks(model_dir, flag, capsys):
+    from worker.config import parse_args
+
+    base = ["--model", model_dir, "--etcd", "127.0.0.1:1", "--pool-master", "127.0.0.1:1",
+            "--pool-metadata", "http://127.0.0.1:1/metadata"]
+    assert getattr(parse_args([*base, flag, "0"], "decode"), flag[2:].replace("-", "_")) == "0"
+    with pytest.raises(SystemExit):
+        parse_args([*base, flag, "4096"], "decode")
+    assert "no such cores here: '4096'" in capsys.readouterr().err

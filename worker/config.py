@@ -88,12 +88,10 @@ class WorkerConfig:
             raise ValueError(f"lease_ttl must be at least 1 s, got {self.lease_ttl}")
         if bool(self.pool_store_client) != bool(self.pool_store_client_segment):
             raise ValueError("pool_store_client and pool_store_client_segment go together")
-        if self.engine_cpus and not cpu_list(self.engine_cpus) <= set(
-                range(os.cpu_count() or 1)):
-            raise ValueError(f"engine_cpus: no such cores here: {self.engine_cpus!r}")
-        if self.engine_core_cpus and not cpu_list(self.engine_core_cpus) <= set(
-                range(os.cpu_count() or 1)):
-            raise ValueError(f"engine_core_cpus: no such cores here: {self.engine_core_cpus!r}")
+        for name in ("engine_cpus", "engine_core_cpus"):
+            cpus = getattr(self, name)
+            if cpus and not cpu_list(cpus) <= set(range(os.cpu_count() or 1)):
+                raise ValueError(f"{name}: no such cores here: {cpus!r}")
         object.__setattr__(self, "_secret", ClusterSecret.load(self.secret_file))
         object.__setattr__(self, "_etcd_access", EtcdAccess.load(self.etcd,
                                                                  self.etcd_access_file))
