@@ -354,7 +354,6 @@ def run_arm(arm: str, rep: int, a: argparse.Namespace, model: str, datasets: lis
             with StallWatch() as watch:
                 bench = run_bench(r, model, ds, a.rate, a.num_prompts,
                                   a.seed + 100 * rep + n, out / "runs")
-            time.sleep(2 * step_log.FLUSH_S)  # the engines' last steps reach their files
             bench["engine_decode1_ms"] = step_log.summary(
                 step_log.read(steps, t1, time.monotonic()))["decode1_ms"]
             res = Result(arm, ds, rep, {k: v for k, v in bench.items()
