@@ -56,6 +56,7 @@ from conductor.registry import Registry
 from conductor.request_ids import RequestIds, client_request_id
 from conductor.response import ResponseSpec, collect, stream
 from conductor.sampling import ModelDefaults, sampling
+from conductor.scheduler import DECODES_ALONE
 from conductor.scheduler.pool_sync import PoolSync
 from conductor.tokenizer import Tokenizer
 from conductor.tracing import Tracing
@@ -149,7 +150,7 @@ class Conductor:
 
     def ready(self) -> tuple[bool, str]:
         views = self.registry.views()
-        if not any(v.can_prefill() for v in views):
+        if self.config.policy not in DECODES_ALONE and not any(v.can_prefill() for v in views):
             return False, "no prefill-capable instance is up"
         if not any(v.can_decode() for v in views):
             return False, "no decode-capable instance is up"

@@ -92,7 +92,8 @@ def test_instances_drain_waits_for_in_flight_then_undrain(model_dir):
         assert reply.idle and reply.in_flight == 0 and time.monotonic() - t0 < 5
         t.join(10)
         assert results[0].status_code == 200  # the drained instance finished its request
-        assert complete(c.url).status_code == 503  # and takes no new one
+        r = complete(c.url)  # it takes no new one: the decode instance computes the prompt
+        assert r.status_code == 200 and r.json()["kv_transfer"]["prefill_instance"] == "decode-0"
         assert admin.Undrain(admin_pb2.DrainRequest(instance_id="prefill-0")).state == "serving"
         assert complete(c.url).status_code == 200
         with pytest.raises(grpc.RpcError) as e:

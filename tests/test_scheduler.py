@@ -17,7 +17,7 @@ from conductor.scheduler.policies.kv_centric import kv_centric
 from conductor.scheduler.policies.least_loaded import least_loaded
 from conductor.scheduler.policies.random_choice import random_choice
 from conductor.scheduler.policies.round_robin import round_robin
-from conductor.scheduler.policy import DEFAULT_POLICY, POLICIES
+from conductor.scheduler.policy import DECODES_ALONE, DEFAULT_POLICY, POLICIES
 from conductor.scheduler.prefill_model import PrefillTimeFitter, PrefillTimeModel
 from conductor.scheduler.snapshot import (
     ClusterSnapshot,
@@ -77,12 +77,23 @@ def test_config_and_policy_table_agree_and_default_is_kv_centric():
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
-def test_every_policy_needs_both_roles(name):
+def test_every_policy_needs_a_decode_instance_and_most_a_prefill_one(name):
     policy = POLICIES[name]
     assert policy(snap(inst("p0")), request(100)) is None
-    assert policy(snap(inst("d0", "decode")), request(100)) is None
+    alone = policy(snap(inst("d0", "decode")), request(100))
+    if name in DECODES_ALONE:
+        assert pair(alone) == ("d0", "d0") and not alone.disaggregated
+    else:
+        assert alone is None
     route = policy(snap(inst("b0", "both")), request(100))
     assert pair(route) == ("b0", "b0") and not route.disaggregated
+
+
+def test_without_a_prefill_instance_the_decodes_compute_prompts_even_when_forced_apart():
+    """The prefill pool drained or unreachable: kv_centric serves on, each prompt computed on
+    the decode instance that costs least, whatever `disaggregate` says."""
+    s = snap(inst("d0", "decode", running=6), inst("d1", "decode"), disaggregate="always")
+    assert pair(kv_centric(s, request(1024))) == ("d1", "d1")
 
 
 # ---------------------------------------------------------------------- kv_centric

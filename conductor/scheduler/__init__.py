@@ -19,7 +19,13 @@ from conductor.scheduler.decode_model import TbtFitter, TbtModel
 from conductor.scheduler.index import POOL, KVIndex
 from conductor.scheduler.load import LoadState
 from conductor.scheduler.policies.estimate import loadable_blocks
-from conductor.scheduler.policy import DEFAULT_POLICY, POLICIES, Decision, Policy
+from conductor.scheduler.policy import (
+    DECODES_ALONE,
+    DEFAULT_POLICY,
+    POLICIES,
+    Decision,
+    Policy,
+)
 from conductor.scheduler.prefill_model import PrefillTimeFitter, PrefillTimeModel
 from conductor.scheduler.prefill_model import features as prefill_features
 from conductor.scheduler.snapshot import (
@@ -33,7 +39,8 @@ from conductor.scheduler.snapshot import (
     contention,
 )
 
-__all__ = ["DEFAULT_POLICY", "POLICIES", "POOL", "ClusterSnapshot", "Decision", "InstanceLoad",
+__all__ = ["DECODES_ALONE", "DEFAULT_POLICY", "POLICIES", "POOL", "ClusterSnapshot", "Decision",
+           "InstanceLoad",
            "KVIndex", "LoadState", "Policy", "PrefillTimeFitter", "PrefillTimeModel",
            "PrefixMatch", "Reject", "Route", "RouteRequest", "SchedulerParams", "TbtFitter",
            "TbtModel", "contention", "loadable_blocks", "prefill_features"]

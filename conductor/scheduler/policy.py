@@ -27,6 +27,9 @@ POLICIES: dict[str, Policy] = {
     "random": random_choice,
 }
 DEFAULT_POLICY = "kv_centric"
+DECODES_ALONE: frozenset[str] = frozenset({"kv_centric"})
+"""The policies that serve with decode instances alone, computing prompts on them while no
+prefill instance is up; the others need both roles."""
 
-__all__ = ["DEFAULT_POLICY", "POLICIES", "Decision", "Policy", "cache_aware", "kv_centric",
-           "least_loaded", "random_choice", "round_robin"]
+__all__ = ["DECODES_ALONE", "DEFAULT_POLICY", "POLICIES", "Decision", "Policy", "cache_aware",
+           "kv_centric", "least_loaded", "random_choice", "round_robin"]

@@ -23,6 +23,11 @@ the two share cores, for a disaggregated one. A route's cost is its TTFT plus th
 (`SchedulerParams.disaggregate` may force one kind). None does: a `Reject` (429 with
 Retry-After) before any work is done.
 
+With no prefill instance up (all of them drained, unhealthy or unreachable) the decode
+instances compute prompts themselves, as a fall-back after a failed prefill does: the cluster
+serves on, slower, instead of answering 503 until a prefill instance is back. Only without a
+decode-capable instance is the answer None.
+
 - Keep locality under load: prefill instances within `near_min_*` of the best are ties,
   broken by the longest local match, so a prefix is not scattered for a negligible gain.
 - Decode affinity: a decode instance already holding the prefix pulls fewer blocks.
@@ -43,7 +48,7 @@ _RETRY_MAX_S = 60.0
 
 def kv_centric(snap: ClusterSnapshot, req: RouteRequest) -> Route | Reject | None:
     prefills, decodes = snap.prefill(), snap.decode()
-    if not prefills or not decodes:  # a cluster serves with both roles up, like every policy
+    if not decodes:
         return None
     prm = snap.params
     ttft_slo = prm.ttft_slo_s if req.ttft_slo_s is None else req.ttft_slo_s
