@@ -55,6 +55,16 @@ test: install
 test-fast: install
 	$(PY) -m pytest -m "not engine and not slow" $(PYTEST_ARGS)
 
+# The deploy scripts across three hosts made here as network namespaces (as root; it skips,
+# saying why, where namespaces cannot be made), then faults between them: tests/hosts,
+# docs/hosts.md. Last line: hosts n=... served=... cross_host_loads=... partition_ok=...
+.PHONY: test-hosts
+test-hosts: install
+	@command -v ip >/dev/null && command -v ss >/dev/null || { \
+	  echo "installing iproute2 (ip, ss)"; $(SUDO) apt-get update -qq && \
+	  $(SUDO) apt-get install -y -qq iproute2; }
+	$(PY) -m tests.hosts $(HOSTS_ARGS)
+
 lint: install
 	$(VENV)/bin/ruff check .
 

@@ -8,6 +8,10 @@
 #   KVCLUSTER_HOST            address the worker binds; a reachable one (or 0.0.0.0) when the
 #                             conductor runs on another node                (127.0.0.1)
 #   KVCLUSTER_ADVERTISE_HOST  address registered for the conductor to dial  (see common.sh)
+#                             The engine's Mooncake transfer engine (0.3.13) listens on all of
+#                             the node's addresses whatever this says (its handshake and TCP
+#                             data ports, logged as "listening on" / "listen on port"): keep
+#                             the pool's network private (docs/reliability.md).
 #   KVCLUSTER_ETCD, KVCLUSTER_POOL_MASTER, KVCLUSTER_POOL_METADATA: node A's services
 #   KVCLUSTER_MODEL           model directory, the same on every node
 #   KVCLUSTER_SECRET_FILE     the cluster secret, a copy of the conductor node's (common.sh)

@@ -69,12 +69,13 @@ def build_requests(n: int, seed: int, vocab: int) -> list[Req]:
 # ------------------------------------------------------------------ the reference
 
 
-def reference(model: str, prompts: list[tuple[int, ...]], run_dir: Path) -> dict:
-    """prompt -> {"token_ids", "logprobs"} (MAX_TOKENS[1] tokens; greedy, so a shorter
+def reference(model: str, prompts: list[tuple[int, ...]], run_dir: Path,
+              max_tokens: int = MAX_TOKENS[1]) -> dict:
+    """prompt -> {"token_ids", "logprobs"} (`max_tokens` tokens; greedy, so a shorter
     request's output is a prefix), from one standalone engine. Cached in the run dir per
     prompt, under a hash of the model and engine settings: a rerun computes only new prompts."""
     job = {"model": model, "block_size": BLOCK_SIZE, "max_model_len": MAX_MODEL_LEN,
-           "dtype": DTYPE, "max_tokens": MAX_TOKENS[1], "runner_up": True}
+           "dtype": DTYPE, "max_tokens": max_tokens, "runner_up": True}
     key = hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()[:16]
     cache = run_dir / f"reference-{key}.json"
 
