@@ -402,7 +402,8 @@ def create_app(config: ConductorConfig,
     @app.get("/health")
     async def health() -> Response:
         ok, why = conductor.ready()
-        return JSONResponse({"status": "ok" if ok else "unavailable", "detail": why},
+        return JSONResponse({"status": "ok" if ok else "unavailable", "detail": why,
+                             "routable": len(conductor.registry.views())},
                             status_code=200 if ok else 503)
 
     @app.get("/metrics")

@@ -256,14 +256,18 @@ class EmbeddedCluster:
         return self.conductor
 
     def wait_ready(self, timeout: float = 240.0) -> None:
-        """Until /health says a prefill and a decode instance are up (or a child died)."""
+        """Until /health says every engine started is routable (or a child died): /health
+        alone turns 200 with the first decode instance, since kv_centric serves on decode
+        instances alone."""
         deadline = time.monotonic() + timeout
         need_workers = self.spec.engines() > 0
         while time.monotonic() < deadline:
             self._check_alive()
             try:
                 r = httpx.get(f"{self.url}/health", timeout=2.0)
-                if r.status_code == 200 or (not need_workers and r.status_code == 503):
+                if not need_workers and r.status_code == 503:
+                    return
+                if r.status_code == 200 and r.json().get("routable", 0) >= len(self.workers):
                     return
             except httpx.HTTPError:
                 pass
