@@ -88,9 +88,10 @@ SERVE_ARGS ?=
 bench-serve: install
 	$(PY) -m benchmarks.bench_serve $(SERVE_ARGS)
 
-# Our conductor (kv_centric, round_robin) against vllm-router's PD mode and one colocated vLLM
-# server, on real engines and the same cores, three workloads; results in docs/e2e/ (last line:
-# summary). About 25 minutes. E2E_ARGS: e.g. --scale 0.25 --systems kv_centric,colocated.
+# Six arms (ours in the chosen shape, in 2P+2D, with round robin; vllm-router P/D and
+# data-parallel; one colocated vLLM server) on real engines and the same cores, four workloads,
+# three interleaved repetitions; results in docs/e2e/ (last line: summary). About an hour.
+# E2E_ARGS: e.g. --reps 1 --scale 0.1 --arms kv_centric,colocated --workloads multi_turn.
 E2E_ARGS ?=
 .PHONY: bench-e2e
 bench-e2e: install

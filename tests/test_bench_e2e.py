@@ -10,22 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.e2e.report import (
-    RequestRecord,
-    Summary,
-    markdown_table,
-    plot,
-    plot_cdf,
-    ratio,
-    summarize,
-    summary_line,
-    token_gaps,
-)
+from benchmarks.e2e import spread
+from benchmarks.e2e.report import RequestRecord, Summary, plot_cdf, ratio, summarize, token_gaps
 from benchmarks.e2e.workloads import (
     Vocab,
     low_reuse,
+    multi_turn,
     reuse_ratio,
     shared_prefix,
+    skeletons,
     trace_derived,
 )
 
@@ -201,52 +194,88 @@ def test_ratio() -> None:
     assert math.isnan(ratio(0.0, 0.0))
 
 
-def _summaries(shared: dict[str, tuple[float, float]],
-               low: dict[str, float]) -> dict[tuple[str, str], Summary]:
+def _runs(goodput: dict[tuple[str, str], list[float]],
+          ttft_p99: dict[tuple[str, str], list[float]] | None = None
+          ) -> dict[tuple[str, str], list[Summary]]:
     base = summarize(RECORDS, 1.0, 0.2, 10.0)
-    out = {(sys_, "shared_prefix"): replace(base, goodput_rps=g, ttft_p99_s=t)
-           for sys_, (g, t) in shared.items()}
-    out.update({(sys_, "low_reuse"): replace(base, goodput_rps=g) for sys_, g in low.items()})
-    return out
+    ttft_p99 = ttft_p99 or {}
+    return {key: [replace(base, goodput_rps=g, ttft_p99_s=t)
+                  for g, t in zip(gs, ttft_p99.get(key, [1.0] * len(gs)), strict=True)]
+            for key, gs in goodput.items()}
 
 
-SHARED = {"kv_centric": (3.0, 0.5), "round_robin": (1.0, 3.0), "vllm_router": (1.5, 2.0),
-          "colocated": (2.0, 1.0)}
-LINE = re.compile(r"e2e goodput_vs_rr=(\S+) goodput_vs_vllm_router=(\S+) "
-                  r"goodput_vs_colocated=(\S+) lowreuse_vs_best=(\S+) "
+ARMS = ("kv_centric", "kv_centric_2p2d", "round_robin", "vllm_router", "vllm_router_dp",
+        "colocated")
+LINE = re.compile(r"e2e worst_vs_best=(\S+) goodput_vs_rr=(\S+) goodput_vs_vllm_router=(\S+) "
+                  r"goodput_vs_vllm_router_dp=(\S+) goodput_vs_colocated=(\S+) "
                   r"ttft_p99_vs_vllm_router=(\S+) overhead_ms=(\S+) "
                   r"vllm_router_overhead_ms=(\S+)")
 
 
-def test_summary_line_exact_format() -> None:
-    low = {"kv_centric": 1.0, "round_robin": 0.8, "vllm_router": 1.25, "colocated": 0.5}
-    line = summary_line(_summaries(SHARED, low), overhead_ms=1.234, router_overhead_ms=0.5)
+def test_summary_line_exact_format_from_medians() -> None:
+    shared = dict(zip(ARMS, ([3.0, 2.0, 4.0], [1.0] * 3, [1.5] * 3, [1.0, 1.2, 0.8],
+                             [2.0] * 3, [2.0, 1.0, 3.0]), strict=True))
+    low = dict(zip(ARMS, ([1.0] * 3, [2.0] * 3, [0.5] * 3, [0.5] * 3, [0.5] * 3, [0.5] * 3),
+                   strict=True))
+    goodput = {(a, "shared_prefix"): g for a, g in shared.items()}
+    goodput |= {(a, "low_reuse"): g for a, g in low.items()}
+    ttft = {("kv_centric", "shared_prefix"): [0.5, 0.4, 0.9],
+            ("vllm_router", "shared_prefix"): [2.0, 2.0, 2.0]}
+    line = spread.summary_line(_runs(goodput, ttft), overhead_ms=1.234, router_overhead_ms=0.5)
     m = LINE.fullmatch(line)
     assert m and all(re.fullmatch(r"\d+\.\d\d", v) for v in m.groups())
-    assert line == ("e2e goodput_vs_rr=3.00 goodput_vs_vllm_router=2.00 "
-                    "goodput_vs_colocated=1.50 lowreuse_vs_best=0.80 "
+    assert line == ("e2e worst_vs_best=0.50 goodput_vs_rr=2.00 goodput_vs_vllm_router=3.00 "
+                    "goodput_vs_vllm_router_dp=1.50 goodput_vs_colocated=1.50 "
                     "ttft_p99_vs_vllm_router=4.00 overhead_ms=1.23 "
                     "vllm_router_overhead_ms=0.50")
+    assert spread.worst_vs_best(_runs(goodput)) == (0.5, "low_reuse")
 
 
-def test_summary_line_when_ours_is_best_on_low_reuse() -> None:
-    low = {"kv_centric": 2.0, "round_robin": 0.8, "vllm_router": 1.25, "colocated": 0.5}
-    line = summary_line(_summaries(SHARED, low), overhead_ms=1.0, router_overhead_ms=2.0)
-    assert LINE.fullmatch(line)
-    assert "lowreuse_vs_best=1.60 " in line
+def test_a_difference_counts_only_beyond_the_spread() -> None:
+    a, b, c = spread.Spread.of([1.0, 2.0, 3.0]), spread.Spread.of([2.5, 4.0, 5.0]), \
+        spread.Spread.of([3.5, 4.0])
+    assert (a.median, a.lo, a.hi, a.n) == (2.0, 1.0, 3.0, 3)
+    assert not spread.beyond(a, b) and spread.beyond(a, c) and spread.beyond(c, a)
+    assert not spread.beyond(a, spread.Spread.of([]))
+    runs = _runs({("kv_centric", "w"): [3.0, 3.2, 3.1], ("colocated", "w"): [1.0, 1.1, 0.9],
+                  ("round_robin", "w"): [2.9, 3.5, 2.0]})
+    rows = spread.markdown_table(runs).splitlines()
+    assert len(rows) == 2 + 3 and all(r.count("|") == 11 for r in rows)
+    assert rows[2].startswith("| w | kv_centric | 3 | 9/12 | 3.10 [3.00-3.20] |")
+    assert rows[3].endswith("| 3.10* |") and rows[4].endswith("| 1.07 |")
 
 
-def test_markdown_table_rows() -> None:
-    low = {"kv_centric": 1.0, "round_robin": 0.8}
-    lines = markdown_table(_summaries(SHARED, low)).splitlines()
-    assert len(lines) == 2 + 4 + 2
-    assert lines[2].startswith("| shared_prefix | kv_centric | 3/4 | 500.0 | 500.0 |")
-    assert lines[-1].startswith("| low_reuse | round_robin |")
-    assert all(line.count("|") == 11 for line in lines)
+def test_prewarm_break_even_is_the_smallest_n_where_it_pays() -> None:
+    def row(n: int, warm: float, cold: float) -> dict:
+        return {"n": n, "prewarm": {"amortised_ms": warm}, "no_prewarm": {"amortised_ms": cold}}
+    rows = [row(4, 900, 500), row(4, 800, 600), row(8, 500, 520), row(8, 700, 480),
+            row(8, 510, 530), row(16, 300, 500)]
+    assert spread.break_even(rows) == 8
+    assert spread.break_even([row(4, 900, 500)]) is None
+
+
+def test_multi_turn_conversations_extend_their_previous_turn() -> None:
+    w = multi_turn(5, n_conversations=3, turns=4, doc_tokens=64, question_tokens=16,
+                   max_tokens=8, rate_rps=2.0, think_s=0.5, vocab=VOCAB)
+    assert w == multi_turn(5, 3, 4, 64, 16, 8, 2.0, 0.5, VOCAB)
+    assert len(w.requests) == 12
+    firsts = [r for r in w.requests if r.follows is None]
+    assert len(firsts) == 3 and [len(r.prompt_token_ids) for r in firsts] == [80] * 3
+    assert [r.arrival_s for r in firsts] == sorted(r.arrival_s for r in firsts)
+    whole = skeletons(w)
+    for r in w.requests:
+        if r.follows is not None:
+            assert len(r.prompt_token_ids) == 16 and r.think_s == 0.5
+            prev = whole[r.follows]
+            assert whole[r.request_id][:len(prev)] == prev
+            assert len(whole[r.request_id]) == len(prev) + 8 + 16
+    # each follow-up hits its predecessor's prompt and answer; first turns hit nothing
+    assert 0.5 < reuse_ratio(w, 8) < 1.0
 
 
 def test_plots_write_png(tmp_path: Path) -> None:
-    plot(_summaries(SHARED, {"kv_centric": 1.0, "colocated": 0.5}), tmp_path / "bars.png")
+    spread.plot(_runs({("kv_centric", "w"): [1.0, 2.0], ("colocated", "w"): [0.5, 0.6]}),
+                tmp_path / "bars.png")
     records = RECORDS + [replace(r, system="t") for r in RECORDS]
     plot_cdf(records, tmp_path / "cdf.png", ttft_slo_s=1.0)
     for name in ("bars.png", "cdf.png"):

@@ -1,13 +1,17 @@
 """`make bench-e2e`: our conductor against what users would run instead, on real engines.
 
-Systems (benchmarks/e2e/systems.py), one after another on the same engines and cores:
-kv_centric and round_robin (our conductor), vllm_router (vllm-router's PD mode over vLLM
-servers with our connector) and colocated (one vLLM server with prefix caching). Each runs
-three deterministic workloads (benchmarks/e2e/workloads.py): shared_prefix, trace (the Mooncake
-trace's reuse scaled to the model) and low_reuse. Then the added latency of our conductor and
-of vllm-router (a 1-token request through it vs. straight to an engine), and on kv_centric the
-field note's background-prewarm experiment. Results: JSON, a markdown table and PNG plots in
---out; the last line is the summary (benchmarks/e2e/report.py).
+Six arms (benchmarks/e2e/systems.py), each on the same cores and total KV memory: ours in the
+shape the conductor chooses (kv_centric), ours in Mooncake's 2P+2D shape, ours with round-robin
+routing, vllm-router P/D over vLLM servers with our connector, vllm-router's regular
+cache-aware mode over data-parallel vLLM servers, one colocated vLLM server. Four deterministic
+workloads (benchmarks/e2e/workloads.py): shared_prefix, trace (the Mooncake trace's reuse scaled
+to the model), low_reuse and multi_turn (conversations, closed loop within each). Every
+workload runs --reps times per arm with fresh prefixes each time, the arms interleaved (one
+repetition of every arm, then the next, each starting with another arm) so that the machine's
+drift hits all of them alike. Per arm and repetition also the added latency of the system (a
+1-token request through it vs. straight to an engine), and on kv_centric the field note's
+background-prewarm experiment. Results: JSON, a markdown table with spreads and PNG plots with
+error bars in --out; the last line is the summary (benchmarks/e2e/spread.py).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from benchmarks.e2e import client, report, systems, workloads
+from benchmarks.e2e import client, report, spread, systems, workloads
 from benchmarks.machine import cpu_probe_s, describe
 from tinymodel.builder import ModelSpec, ensure_model
 
@@ -45,23 +49,29 @@ tokens) took 3-6 s on one engine thread with four engines sharing two cores, a l
 step ~12 ms."""
 
 
-def _workloads(args: argparse.Namespace, vocab: workloads.Vocab) -> list[workloads.Workload]:
-    """Fixed before any run, the same for every system (not tuned to a result)."""
+def _workloads(args: argparse.Namespace, vocab: workloads.Vocab,
+               rep: int) -> list[workloads.Workload]:
+    """Fixed before any run, the same for every system (not tuned to a result); repetition
+    `rep` draws fresh prefixes (its own seeds)."""
     n = max(4, round(48 * args.scale))
+    seed = 1000 * rep
     return [
-        workloads.shared_prefix(seed=1, n_requests=n, n_groups=6, prefix_tokens=2048,
+        workloads.shared_prefix(seed=seed + 1, n_requests=n, n_groups=6, prefix_tokens=2048,
                                 suffix_tokens=64, max_tokens=32, rate_rps=args.rate,
                                 vocab=vocab),
         # the trace's last lines, where its reuse is (about two thirds of their blocks)
-        workloads.trace_derived(seed=2, trace_path=args.trace, n_requests=n,
+        workloads.trace_derived(seed=seed + 2, trace_path=args.trace, n_requests=n,
                                 max_prompt_tokens=3072, max_tokens_cap=32, rate_rps=args.rate,
                                 vocab=vocab, start=3993 - n, block_tokens=64),
-        workloads.low_reuse(seed=3, n_requests=n, prompt_tokens=1024, max_tokens=32,
+        workloads.low_reuse(seed=seed + 3, n_requests=n, prompt_tokens=1024, max_tokens=32,
                             rate_rps=args.rate, vocab=vocab),
+        workloads.multi_turn(seed=seed + 4, n_conversations=max(1, n // 4), turns=4,
+                             doc_tokens=1024, question_tokens=64, max_tokens=32,
+                             rate_rps=args.rate, think_s=1.0, vocab=vocab),
     ]
 
 
-def _overhead_ms(run: systems.Running, pairs: int = 100) -> dict[str, float]:
+def _overhead_ms(run: systems.Running, pairs: int = 50) -> dict[str, float]:
     """Latency of a 1-token request through the system minus straight to an engine (the one
     that served it, where the system says), the median over pairs sent back to back (the
     machine's speed drifts between pairs by more than the hop costs): `ms` with a lean client
@@ -99,7 +109,7 @@ def _overhead_ms(run: systems.Running, pairs: int = 100) -> dict[str, float]:
             "direct_ms": statistics.median(direct) * 1e3}
 
 
-def _prewarm(run: systems.Running, tok, vocab: workloads.Vocab, ns: tuple[int, ...],
+def _prewarm(run: systems.Running, tok, vocab: workloads.Vocab, ns: tuple[int, ...], rep: int,
              concurrency: int = 8) -> list[dict]:
     """The field note's experiment: N requests sharing a fresh long prefix, `concurrency` at a
     time, with and without a background Prewarm of the prefix first. Amortised cost per request
@@ -114,9 +124,9 @@ def _prewarm(run: systems.Running, tok, vocab: workloads.Vocab, ns: tuple[int, .
     token = (cluster_dir / "admin.token").read_text().strip()
     admin_addr = run.extra["admin_addr"]
     rows = []
-    seed = 100
+    seed = 100 + 1000 * rep
     for n in ns:
-        row: dict = {"n": n}
+        row: dict = {"n": n, "rep": rep}
         for warm in (False, True):
             seed += 1
             wl = workloads.shared_prefix(seed=seed, n_requests=n, n_groups=1, prefix_tokens=1536,
@@ -158,10 +168,12 @@ def _prewarm(run: systems.Running, tok, vocab: workloads.Vocab, ns: tuple[int, .
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench-e2e", description=__doc__.splitlines()[0])
-    p.add_argument("--systems", default=",".join(systems.SYSTEMS))
-    p.add_argument("--workloads", default="shared_prefix,trace,low_reuse")
-    p.add_argument("--scale", type=float, default=1.0,
-                   help="multiplies every workload's request count (0.25 for a smoke run)")
+    p.add_argument("--systems", "--arms", dest="systems", default=",".join(systems.SYSTEMS))
+    p.add_argument("--workloads", default="shared_prefix,trace,low_reuse,multi_turn")
+    p.add_argument("--reps", type=int, default=3, help="repetitions of every (arm, workload)")
+    p.add_argument("--scale", type=float, default=0.5,
+                   help="multiplies every workload's request count (1: 48 requests; 0.1 for a "
+                   "smoke run)")
     p.add_argument("--rate", type=float, default=1.0, help="arrival rate, requests/s")
     p.add_argument("--prefill", type=int, default=2)
     p.add_argument("--decode", type=int, default=2)
@@ -169,10 +181,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="the pool's transport for the disaggregated systems (default: shared "
                    "memory through one mooncake_client, the best Mooncake offers on one host)")
     p.add_argument("--trace", default=str(TRACE))
-    p.add_argument("--prewarm-n", default="8,16,32", help="'' skips the prewarm experiment")
+    p.add_argument("--prewarm-n", default="4,8,16", help="'' skips the prewarm experiment")
     p.add_argument("--out", default=str(ROOT / "docs" / "e2e"))
     p.add_argument("--run-dir", default="")
     args = p.parse_args(argv)
+    names = args.systems.split(",")
+    unknown = set(names) - set(systems.SYSTEMS)
+    if unknown or args.reps < 1:
+        p.error(f"unknown arms {sorted(unknown)} (of {systems.SYSTEMS})" if unknown
+                else "--reps must be >= 1")
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -185,80 +202,102 @@ def main(argv: list[str] | None = None) -> int:
     tok = AutoTokenizer.from_pretrained(model)
     vocab = workloads.Vocab(300, len(tok) - 8)
     wanted = args.workloads.split(",")
-    wls = [w for w in _workloads(args, vocab) if w.name in wanted]
-    prompts = {r.request_id: tok.decode(list(r.prompt_token_ids)) for w in wls for r in w.requests}
-    for w in wls:
+    plan = [[w for w in _workloads(args, vocab, rep) if w.name in wanted]
+            for rep in range(args.reps)]
+    for w in plan[0]:
         print(f"workload {w.name}: {w.description}; reuse "
               f"{workloads.reuse_ratio(w, 32):.0%} of full blocks", flush=True)
     engines = systems.Engines(model=model, prefill=args.prefill, decode=args.decode,
                               pool_shm=args.pool == "shm")
 
     records: list[report.RequestRecord] = []
-    summaries: dict[tuple[str, str], report.Summary] = {}
-    overhead: dict[str, dict[str, float]] = {}
+    runs: dict[tuple[str, str], list[report.Summary]] = {}
+    overhead: dict[str, list[dict[str, float]]] = {}
     prewarm_rows: list[dict] = []
-    probes: dict[str, float] = {}
-    total = len(args.systems.split(",")) * sum(len(w.requests) for w in wls)
+    probes: dict[str, list[float]] = {}
+    shapes: dict[str, str] = {}
+    total = len(names) * sum(len(w.requests) for wls in plan for w in wls)
     bar = tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
-    for name in args.systems.split(","):
-        bar.set_description(f"{name}: starting")
-        probes[name] = cpu_probe_s()  # the machine's speed, with nothing of ours running
-        t0 = time.monotonic()
-        run = systems.start(name, engines, run_root / name, TTFT_SLO_S, TBT_SLO_S)
-        tqdm.write(f"{name}: started in {time.monotonic() - t0:.0f}s at {run.url} (cpu probe "
-                   f"{probes[name] * 1e3:.0f} ms before)")
-        try:
-            _warm_up(run)
-            if run.direct is not None:  # on the idle system: what the hop itself adds
-                bar.set_description(f"{name}: overhead")
-                o = overhead[name] = _overhead_ms(run)
-                tqdm.write(f"{name}: added latency {o['ms']:.2f} ms ({o['httpx_ms']:.2f} ms "
-                           f"with httpx through it; direct {o['direct_ms']:.1f} ms)")
-            for w in wls:
-                bar.set_description(f"{name}/{w.name}")
-                recs, wall = asyncio.run(client.run(run.url, run.model, name, w.name, w.requests,
-                                                    prompts, on_done=lambda _r: bar.update()))
-                records += recs
-                s = summaries[(name, w.name)] = report.summarize(recs, TTFT_SLO_S, TBT_SLO_S,
-                                                                 wall)
-                errors = sorted({r.error for r in recs if r.error})[:3]
-                tqdm.write(f"{name}/{w.name}: ok {s.ok}/{s.n} goodput {s.goodput_rps:.3f} req/s "
-                           f"ttft p50/p99 {s.ttft_p50_s:.2f}/{s.ttft_p99_s:.2f}s tbt p50/p99 "
-                           f"{s.tbt_p50_s * 1e3:.0f}/{s.tbt_p99_s * 1e3:.0f}ms"
-                           + (f" errors: {errors}" if errors else ""))
-            if name == "kv_centric" and args.prewarm_n:
-                bar.set_description(f"{name}: prewarm")
-                ns = tuple(int(x) for x in args.prewarm_n.split(","))
-                prewarm_rows = _prewarm(run, tok, vocab, ns)
-                for row in prewarm_rows:
-                    tqdm.write(f"prewarm N={row['n']}: amortised "
-                               f"{row['prewarm']['amortised_ms']:.0f} ms vs "
-                               f"{row['no_prewarm']['amortised_ms']:.0f} ms without")
-        finally:
-            run.stop()
+    t_start = time.monotonic()
+    for rep, wls in enumerate(plan):
+        prompts = {r.request_id: tok.decode(list(r.prompt_token_ids))
+                   for w in wls for r in w.requests}
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            tag = f"{name} rep {rep + 1}/{args.reps}"
+            bar.set_description(f"{tag}: starting")
+            probes.setdefault(name, []).append(cpu_probe_s())  # nothing of ours running
+            t0 = time.monotonic()
+            run = systems.start(name, engines, run_root / f"{name}-{rep}", TTFT_SLO_S, TBT_SLO_S)
+            shapes[name] = run.extra.get("shape", "")
+            tqdm.write(f"{tag}: started in {time.monotonic() - t0:.0f}s at {run.url} (cpu probe "
+                       f"{probes[name][-1] * 1e3:.0f} ms before)"
+                       + (f"; shape: {shapes[name]}" if shapes[name] else ""))
+            try:
+                _warm_up(run)
+                if run.direct is not None:  # on the idle system: what the hop itself adds
+                    bar.set_description(f"{tag}: overhead")
+                    o = _overhead_ms(run)
+                    overhead.setdefault(name, []).append(o)
+                    tqdm.write(f"{tag}: added latency {o['ms']:.2f} ms ({o['httpx_ms']:.2f} ms "
+                               f"with httpx through it; direct {o['direct_ms']:.1f} ms)")
+                for w in wls:
+                    bar.set_description(f"{tag}: {w.name}")
+                    recs, wall = asyncio.run(client.run(run.url, run.model, name, w.name,
+                                                        w.requests, prompts,
+                                                        on_done=lambda _r: bar.update()))
+                    records += recs
+                    s = report.summarize(recs, TTFT_SLO_S, TBT_SLO_S, wall)
+                    runs.setdefault((name, w.name), []).append(s)
+                    errors = sorted({r.error for r in recs if r.error})[:3]
+                    tqdm.write(f"{tag}/{w.name}: ok {s.ok}/{s.n} goodput {s.goodput_rps:.3f} "
+                               f"req/s ttft p50/p99 {s.ttft_p50_s:.2f}/{s.ttft_p99_s:.2f}s tbt "
+                               f"p50/p99 {s.tbt_p50_s * 1e3:.0f}/{s.tbt_p99_s * 1e3:.0f}ms"
+                               + (f" errors: {errors}" if errors else ""))
+                if name == spread.OURS and args.prewarm_n:
+                    bar.set_description(f"{tag}: prewarm")
+                    ns = tuple(int(x) for x in args.prewarm_n.split(","))
+                    rows = _prewarm(run, tok, vocab, ns, rep)
+                    prewarm_rows += rows
+                    for row in rows:
+                        tqdm.write(f"{tag}: prewarm N={row['n']}: amortised "
+                                   f"{row['prewarm']['amortised_ms']:.0f} ms vs "
+                                   f"{row['no_prewarm']['amortised_ms']:.0f} ms without")
+            finally:
+                run.stop()
     bar.close()
+    elapsed = time.monotonic() - t_start
 
+    def median_ms(name: str) -> float:
+        vals = [o["ms"] for o in overhead.get(name, [])]
+        return statistics.median(vals) if vals else float("nan")
+
+    even = spread.break_even(prewarm_rows) if prewarm_rows else None
+    worst, worst_w = spread.worst_vs_best(runs)
     result = {
-        "machine": describe(), "model": model, "engines": asdict(engines),
+        "machine": describe(), "model": model, "engines": asdict(engines), "reps": args.reps,
+        "scale": args.scale, "elapsed_s": elapsed, "shapes": shapes,
         "slo": {"ttft_s": TTFT_SLO_S, "tbt_s": TBT_SLO_S},
         "workloads": {w.name: {"description": w.description,
-                               "reuse": workloads.reuse_ratio(w, 32)} for w in wls},
-        "summaries": {f"{s}/{w}": asdict(v) for (s, w), v in summaries.items()},
-        "overhead_ms": overhead, "prewarm": prewarm_rows, "cpu_probe_s": probes,
+                               "reuse": workloads.reuse_ratio(w, 32)} for w in plan[0]},
+        "runs": {f"{s}/{w}": [asdict(v) for v in vs] for (s, w), vs in runs.items()},
+        "overhead_ms": overhead, "prewarm": prewarm_rows, "prewarm_break_even_n": even,
+        "worst_vs_best_workload": worst_w, "cpu_probe_s": probes,
         "records": [asdict(r) for r in records],
     }
     (out / "results.json").write_text(json.dumps(result, indent=1))
-    table = report.markdown_table(summaries)
+    table = spread.markdown_table(runs)
     (out / "table.md").write_text(table + "\n")
-    report.plot(summaries, out / "e2e.png")
-    for w in wls:
+    spread.plot(runs, out / "e2e.png")
+    for w in plan[0]:
         report.plot_cdf([r for r in records if r.workload == w.name],
                         out / f"ttft_cdf_{w.name}.png", TTFT_SLO_S)
     print(table)
-    nan = {"ms": float("nan")}
-    print(report.summary_line(summaries, overhead_ms=overhead.get("kv_centric", nan)["ms"],
-                              router_overhead_ms=overhead.get("vllm_router", nan)["ms"]),
-          flush=True)
+    print(f"{args.reps} repetitions, {elapsed / 60:.1f} minutes; * marks a goodput difference "
+          f"beyond the spread (ranges that do not overlap); worst_vs_best on {worst_w}")
+    if prewarm_rows:
+        print(f"prewarm break-even N: {even if even is not None else 'none of ' + args.prewarm_n}")
+    print(spread.summary_line(runs, overhead_ms=median_ms(spread.OURS),
+                              router_overhead_ms=median_ms("vllm_router")), flush=True)
     return 0
 
 

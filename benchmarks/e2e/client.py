@@ -23,9 +23,12 @@ REQUEST_TIMEOUT_S = 300.0
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, system: str, workload: str,
-               req: BenchRequest, prompt: str, t0: float) -> RequestRecord:
+               req: BenchRequest, prompt: str, t0: float,
+               answer: list[str] | None = None) -> RequestRecord:
+    """One request, sent at its arrival time (now, for a follow-up turn); the text it
+    generated is appended to `answer`."""
     delay = t0 + req.arrival_s - time.monotonic()
-    if delay > 0:
+    if delay > 0 and req.follows is None:
         await asyncio.sleep(delay)
     sent = time.monotonic()
     rec = RequestRecord(system=system, workload=workload, request_id=req.request_id, ok=False,
@@ -55,6 +58,8 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, system: str, wor
                     if n and rec.first_token_s is None:
                         rec.first_token_s = now
                     rec.token_times_s.extend([now] * n)
+                    if answer is not None:
+                        answer.append(choice.get("text") or "")
                 usage = chunk.get("usage")
                 if usage:
                     rec.prompt_tokens = usage.get("prompt_tokens") or 0
@@ -73,14 +78,28 @@ async def run(url: str, model: str, system: str, workload: str,
               requests: Sequence[BenchRequest], prompts: dict[str, str],
               on_done: Callable[[RequestRecord], None] | None = None,
               ) -> tuple[list[RequestRecord], float]:
-    """Every request of the workload; the records and the run's wall time in seconds."""
+    """Every request of the workload; the records and the run's wall time in seconds.
+
+    A follow-up turn (`BenchRequest.follows`) waits for its predecessor, then `think_s`, and
+    sends the predecessor's whole prompt text, the text it generated and its own question
+    (`prompts[request_id]`), as a chat client would."""
     limits = httpx.Limits(max_connections=len(requests) + 4,
                           max_keepalive_connections=len(requests) + 4)
+    done: dict[str, asyncio.Future[str]] = {
+        r.request_id: asyncio.get_running_loop().create_future() for r in requests}
     async with httpx.AsyncClient(limits=limits) as client:
         t0 = time.monotonic() + 0.05
 
         async def one(req: BenchRequest) -> RequestRecord:
-            rec = await _one(client, url, model, system, workload, req, prompts[req.request_id], t0)
+            prompt = prompts[req.request_id]
+            if req.follows is not None:
+                prompt = await done[req.follows] + prompt
+                await asyncio.sleep(req.think_s)
+            answer: list[str] = []
+            try:
+                rec = await _one(client, url, model, system, workload, req, prompt, t0, answer)
+            finally:  # its follow-up goes on (without the answer, if there is none)
+                done[req.request_id].set_result(prompt + "".join(answer))
             if on_done is not None:
                 on_done(rec)
             return rec

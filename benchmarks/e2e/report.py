@@ -1,5 +1,5 @@
-"""What an end-to-end run measured: per-request records in, summaries, a table, plots and
-the one-line verdict out.
+"""What one end-to-end run of a (system, workload) cell measured: per-request records in, a
+summary and a TTFT CDF plot out (`benchmarks.e2e.spread` aggregates the repetitions).
 
 Definitions (times in seconds, run-relative, from one monotonic clock):
 - TTFT: `first_token_s - sent_s`, over ok requests that received a token.
@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 SHARED_PREFIX = "shared_prefix"
-LOW_REUSE = "low_reuse"
 
 
 @dataclass
@@ -106,51 +105,6 @@ def summarize(records: Sequence[RequestRecord], ttft_slo_s: float, tbt_slo_s: fl
         ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s, duration_s=duration_s)
 
 
-Summaries = Mapping[tuple[str, str], Summary]
-"""Keyed by (system, workload)."""
-
-
-def markdown_table(summaries: Summaries) -> str:
-    """One row per (workload, system), workloads then systems in first-seen order."""
-    rows = ["| workload | system | ok/n | TTFT p50 (ms) | TTFT p99 (ms) | TBT p50 (ms) "
-            "| TBT p99 (ms) | out tok/s | goodput req/s | SLO % |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    systems, workloads = _axes(summaries)
-    for w in workloads:
-        for sys_ in systems:
-            s = summaries.get((sys_, w))
-            if s is None:
-                continue
-            rows.append(
-                f"| {w} | {sys_} | {s.ok}/{s.n} | {s.ttft_p50_s * 1e3:.1f} "
-                f"| {s.ttft_p99_s * 1e3:.1f} | {s.tbt_p50_s * 1e3:.1f} "
-                f"| {s.tbt_p99_s * 1e3:.1f} | {s.output_tok_s:.1f} | {s.goodput_rps:.2f} "
-                f"| {s.slo_attainment * 100:.1f} |")
-    return "\n".join(rows) + "\n"
-
-
-def plot(summaries: Summaries, path_png: str | Path) -> None:
-    """Two panels side by side, goodput and TTFT p99, bars per system grouped by workload."""
-    plt = _plt()
-    systems, workloads = _axes(summaries)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    width = 0.8 / max(len(systems), 1)
-    x = np.arange(len(workloads))
-    panels = [("goodput_rps", "goodput (req/s meeting both SLOs)", "higher is better"),
-              ("ttft_p99_s", "TTFT p99 (s)", "lower is better")]
-    for ax, (attr, label, better) in zip(axes, panels, strict=True):
-        for i, sys_ in enumerate(systems):
-            ys = [getattr(summaries[(sys_, w)], attr) if (sys_, w) in summaries else math.nan
-                  for w in workloads]
-            ax.bar(x + (i - (len(systems) - 1) / 2) * width, ys, width, label=sys_)
-        ax.set_xticks(x, workloads)
-        ax.set_ylabel(label)
-        ax.set_title(f"{label.split(' (')[0]}: {better}", fontsize=10)
-        ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=8)
-    _save(plt, fig, path_png)
-
-
 def plot_cdf(records: Sequence[RequestRecord], path_png: str | Path,
              ttft_slo_s: float | None = None) -> None:
     """TTFT CDF per system of one workload's records; the y axis counts all requests, so a
@@ -158,7 +112,7 @@ def plot_cdf(records: Sequence[RequestRecord], path_png: str | Path,
     workloads = {r.workload for r in records}
     if len(workloads) > 1:
         raise ValueError(f"records of one workload expected, got {sorted(workloads)}")
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     by_system: dict[str, list[RequestRecord]] = {}
     for r in records:
@@ -174,7 +128,7 @@ def plot_cdf(records: Sequence[RequestRecord], path_png: str | Path,
     ax.set_title(f"TTFT CDF: {next(iter(workloads), '')}", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    _save(plt, fig, path_png)
+    save_png(plt, fig, path_png)
 
 
 def ratio(a: float, b: float) -> float:
@@ -184,43 +138,7 @@ def ratio(a: float, b: float) -> float:
     return a / b
 
 
-def summary_line(summaries: Summaries, ours: str = "kv_centric", rr: str = "round_robin",
-                 router: str = "vllm_router", colocated: str = "colocated", *,
-                 overhead_ms: float, router_overhead_ms: float) -> str:
-    """The run's last line. Ratios are ours over theirs on "shared_prefix" (TTFT p99: theirs
-    over ours), so > 1 is better for us; `lowreuse_vs_best` is our goodput on "low_reuse"
-    over the best other system's there. A missing summary makes its ratio nan."""
-    def get(system: str, workload: str, attr: str) -> float:
-        s = summaries.get((system, workload))
-        return getattr(s, attr) if s is not None else math.nan
-
-    def goodput_vs(other: str) -> float:
-        return ratio(get(ours, SHARED_PREFIX, "goodput_rps"),
-                     get(other, SHARED_PREFIX, "goodput_rps"))
-
-    others = [s.goodput_rps for (sys_, w), s in summaries.items()
-              if w == LOW_REUSE and sys_ != ours and not math.isnan(s.goodput_rps)]
-    best_other = max(others, default=math.nan)
-    values = {
-        "goodput_vs_rr": goodput_vs(rr),
-        "goodput_vs_vllm_router": goodput_vs(router),
-        "goodput_vs_colocated": goodput_vs(colocated),
-        "lowreuse_vs_best": ratio(get(ours, LOW_REUSE, "goodput_rps"), best_other),
-        "ttft_p99_vs_vllm_router": ratio(get(router, SHARED_PREFIX, "ttft_p99_s"),
-                                         get(ours, SHARED_PREFIX, "ttft_p99_s")),
-        "overhead_ms": overhead_ms,
-        "vllm_router_overhead_ms": router_overhead_ms,
-    }
-    return "e2e " + " ".join(f"{k}={v:.2f}" for k, v in values.items())
-
-
-def _axes(summaries: Summaries) -> tuple[list[str], list[str]]:
-    """Systems and workloads in first-seen order."""
-    return (list(dict.fromkeys(s for s, _ in summaries)),
-            list(dict.fromkeys(w for _, w in summaries)))
-
-
-def _plt():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -229,7 +147,7 @@ def _plt():
     return plt
 
 
-def _save(plt, fig, path_png: str | Path) -> None:
+def save_png(plt, fig, path_png: str | Path) -> None:
     Path(path_png).parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path_png, dpi=110)

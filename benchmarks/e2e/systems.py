@@ -1,17 +1,24 @@
-"""The systems `make bench-e2e` compares, each started on the same engines and core budget.
+"""The systems (arms) `make bench-e2e` compares, each deployed the way its own users deploy
+it, on the same cores and the same total KV memory (P + D engines' worth):
 
-- `ours(policy)`: the embedded cluster (etcd, Mooncake master, P prefill and D decode workers,
-  the conductor) with the given routing policy.
-- `vllm_router`: the Rust `vllm-router` (PyPI) in vLLM prefill/decode mode, in front of P + D
-  plain `vllm serve` OpenAI servers started with our KV connector
-  (`kv_connector_module_path=store.connector`) and a Mooncake master: how its users deploy it,
-  with its default policy (`cache_aware`).
-- `colocated`: one `vllm serve` with prefix caching, no disaggregation, holding the KV memory
-  of all P + D engines.
+1. `kv_centric`: our embedded cluster (etcd, Mooncake master, workers, the conductor) in the
+   shape the conductor chooses for this machine (`cluster.shape.choose`, what `make run`
+   starts: on two cores one engine, its model worker alone on core 1), holding all the KV.
+2. `kv_centric_2p2d`: the same conductor forced into P prefill + D decode engines (Mooncake's
+   shape), unpinned, the cores shared out.
+3. `round_robin`: our conductor with round-robin routing over arm 1's shape (the pool alone,
+   no KV-aware scoring).
+4. `vllm_router`: the Rust `vllm-router` (PyPI) in vLLM prefill/decode mode, in front of P + D
+   plain `vllm serve` OpenAI servers started with our KV connector
+   (`kv_connector_module_path=store.connector`) and a Mooncake master, with its default policy
+   (`cache_aware`).
+5. `vllm_router_dp`: `vllm-router` in its regular mode, `cache_aware`, over one colocated
+   `vllm serve` with prefix caching per core (data parallel, no P/D): the deployment most of
+   its users run.
+6. `colocated`: one `vllm serve` with prefix caching, no disaggregation.
 
-Every engine gets the same model, block size, context and KV memory, and all of them share the
-machine's cores (nothing is pinned). Each system exposes an OpenAI base URL and, for the
-added-latency probe, a way to send a 1-token request straight to one of its engines.
+Each system exposes an OpenAI base URL and, for the added-latency probe, a way to send a
+1-token request straight to one of its engines.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from pathlib import Path
 import grpc
 import httpx
 
+from cluster import shape
 from cluster.engine_spec import EngineSpec
 from cluster.ports import free_port
 from cluster.process import ManagedProcess
@@ -112,22 +120,32 @@ def _engine_env() -> dict[str, str]:
 # --------------------------------------------------------------------------- ours
 
 
-def ours(policy: str, e: Engines, run_dir: Path, ttft_slo_s: float, tbt_slo_s: float) -> Running:
-    spec = ClusterSpec(model=e.model, prefill=e.prefill, decode=e.decode, http_port=0,
-                       run_dir=str(run_dir), policy=policy,
-                       worker_env=tuple(e.env(e.threads).items()), pool_shm=e.pool_shm,
-                       **e.engine_kwargs(),
+def ours(name: str, policy: str, e: Engines, run_dir: Path, ttft_slo_s: float,
+         tbt_slo_s: float, *, mooncake_shape: bool) -> Running:
+    """Our cluster; `mooncake_shape`: P prefill + D decode engines, unpinned (else the shape
+    `make run` chooses, its engines holding all P + D engines' KV memory between them)."""
+    kwargs = e.engine_kwargs()
+    if mooncake_shape:
+        layout = {"prefill": e.prefill, "decode": e.decode,
+                  "worker_env": tuple(e.env(e.threads).items())}
+    else:
+        chosen = shape.choose(shape.machine_cores())
+        kwargs["kv_cache_bytes"] = e.kv_cache_bytes * (e.prefill + e.decode) \
+            // len(chosen.engines)
+        layout = {"shape": chosen}
+    spec = ClusterSpec(model=e.model, http_port=0, run_dir=str(run_dir), policy=policy,
+                       pool_shm=e.pool_shm, **layout, **kwargs,
                        conductor_args=("--ttft-slo-s", str(ttft_slo_s),
                                        "--tbt-slo-s", str(tbt_slo_s)))
     c = EmbeddedCluster(spec).start(timeout=600)
     try:
-        _wait_instances(c, e.prefill + e.decode, 600)
+        _wait_instances(c, spec.engines(), 600)
     except BaseException:
         c.stop()
         raise
     channels = {iid: grpc.insecure_channel(w.address) for iid, w in c.workers.items()}
     stubs = {iid: c.worker_stub(c.workers[iid].address, ch) for iid, ch in channels.items()}
-    first_decode = next(iid for iid, w in c.workers.items() if w.role == "decode")
+    first_decode = next(iid for iid, w in c.workers.items() if w.role in ("decode", "both"))
     served_by = _ServedBy(Path(c.run_dir) / "conductor.log")
     tok = _tokenizer(e.model)
 
@@ -149,8 +167,9 @@ def ours(policy: str, e: Engines, run_dir: Path, ttft_slo_s: float, tbt_slo_s: f
             ch.close()
         c.stop()
 
-    return Running(policy, c.url, e.served_name, stop, direct, Path(c.run_dir),
-                   {"admin_addr": c.admin_addr})
+    return Running(name, c.url, e.served_name, stop, direct, Path(c.run_dir),
+                   {"admin_addr": c.admin_addr, "shape": spec.shape.describe()
+                    if spec.shape is not None else ""})
 
 
 class _ServedBy:
@@ -321,6 +340,35 @@ def vllm_router(e: Engines, run_dir: Path) -> Running:
                    _http_direct(decodes[0], e.served_name), run_dir)
 
 
+def vllm_router_dp(e: Engines, run_dir: Path) -> Running:
+    """vllm-router's regular mode over one colocated `vllm serve` per core, the KV memory
+    shared out, one OpenMP thread each."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    n = max(1, e.cores)
+    kv = e.kv_cache_bytes * (e.prefill + e.decode) // n
+    procs: list[ManagedProcess] = []
+    urls: list[str] = []
+    try:
+        for i in range(n):
+            p, url = _vllm_serve(f"vllm-dp-{i}", e, run_dir, kv, None, 1)
+            procs.append(p)
+            urls.append(url)
+        for url in urls:
+            _wait_http(f"{url}/health", procs, 600, "a vLLM server")
+        port = free_port()
+        argv = [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1",
+                "--port", str(port), "--policy", "cache_aware", "--worker-urls", *urls]
+        router = ManagedProcess("vllm-router", argv, run_dir / "vllm-router.log").start()
+        procs.append(router)
+        url = f"http://127.0.0.1:{port}"
+        _wait_http(f"{url}/health", procs, 120, "vllm-router")
+    except BaseException:
+        _stop_all(procs)
+        raise
+    return Running("vllm_router_dp", url, e.served_name, lambda: _stop_all(procs),
+                   _http_direct(urls[0], e.served_name), run_dir)
+
+
 def colocated(e: Engines, run_dir: Path) -> Running:
     run_dir.mkdir(parents=True, exist_ok=True)
     kv = e.kv_cache_bytes * (e.prefill + e.decode)
@@ -333,14 +381,19 @@ def colocated(e: Engines, run_dir: Path) -> Running:
     return Running("colocated", url, e.served_name, lambda: _stop_all([p]), None, run_dir)
 
 
-SYSTEMS = ("kv_centric", "round_robin", "vllm_router", "colocated")
+SYSTEMS = ("kv_centric", "kv_centric_2p2d", "round_robin", "vllm_router", "vllm_router_dp",
+           "colocated")
 
 
 def start(name: str, e: Engines, run_dir: Path, ttft_slo_s: float, tbt_slo_s: float) -> Running:
     if name in ("kv_centric", "round_robin"):
-        return ours(name, e, run_dir, ttft_slo_s, tbt_slo_s)
+        return ours(name, name, e, run_dir, ttft_slo_s, tbt_slo_s, mooncake_shape=False)
+    if name == "kv_centric_2p2d":
+        return ours(name, "kv_centric", e, run_dir, ttft_slo_s, tbt_slo_s, mooncake_shape=True)
     if name == "vllm_router":
         return vllm_router(e, run_dir)
+    if name == "vllm_router_dp":
+        return vllm_router_dp(e, run_dir)
     if name == "colocated":
         return colocated(e, run_dir)
     raise ValueError(f"unknown system {name!r}; one of {SYSTEMS}")

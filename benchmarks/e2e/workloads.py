@@ -10,6 +10,10 @@ offset from the start of the run, the first at 0.0. Token ids lie in `[vocab.lo,
 - `trace_derived`: a window of a Mooncake-format trace with its prefix reuse kept and its
   sizes scaled to the model (rule in its docstring).
 - `low_reuse`: every prompt differs from every other at its first token.
+- `multi_turn`: conversations, interleaved; each turn's prompt is the previous turn's prompt,
+  its answer and a new question (the shape of the Mooncake traces). The answer is only known
+  once generated, so a follow-up turn carries just its question and is sent by the client
+  `think_s` after the previous turn's answer (closed loop within a conversation).
 
 `reuse_ratio` is what an unlimited prefix cache would hit of a workload, in full blocks.
 """
@@ -50,12 +54,17 @@ class BenchRequest:
     """Offset from the start of the run (open-loop arrivals)."""
     group: str | None
     """Shared-prefix group or trace prefix id; None if the prompt is unique."""
+    follows: str | None = None
+    """A follow-up turn: the request whose prompt and answer this one's prompt continues
+    (`prompt_token_ids` is then only the new question, and `arrival_s` is unused)."""
+    think_s: float = 0.0
+    """A follow-up's pause between the previous answer and this question."""
 
 
 @dataclass(frozen=True)
 class Workload:
     name: str
-    """"shared_prefix" | "trace" | "low_reuse"."""
+    """"shared_prefix" | "trace" | "low_reuse" | "multi_turn"."""
     requests: tuple[BenchRequest, ...]
     description: str
     """One line: the shape (prefix lengths, groups, rate)."""
@@ -167,13 +176,74 @@ def low_reuse(seed: int, n_requests: int, prompt_tokens: int, max_tokens: int, r
                     f"{max_tokens} output tokens, Poisson {rate_rps:g} req/s")
 
 
+def multi_turn(seed: int, n_conversations: int, turns: int, doc_tokens: int,
+               question_tokens: int, max_tokens: int, rate_rps: float, think_s: float,
+               vocab: Vocab) -> Workload:
+    """`n_conversations` conversations of `turns` turns each, starting at Poisson arrivals of
+    `rate_rps / turns` (so that the request rate is about `rate_rps`): the first turn a
+    `doc_tokens` document of its own plus a question, every later turn a new question of
+    `question_tokens` sent `think_s` after the previous answer, its prompt the previous prompt
+    plus that answer plus the question."""
+    _check_positive(n_conversations=n_conversations, turns=turns, doc_tokens=doc_tokens,
+                    question_tokens=question_tokens, max_tokens=max_tokens)
+    rng = np.random.default_rng(seed)
+    starts = _poisson_arrivals(rng, n_conversations, rate_rps / turns)
+    requests = []
+    for c in range(n_conversations):
+        prev = None
+        for t in range(turns):
+            rid = f"multi_turn-{c:03d}-{t:02d}"
+            prompt = (_tokens(rng, doc_tokens, vocab) if t == 0 else ()) \
+                + _tokens(rng, question_tokens, vocab)
+            requests.append(BenchRequest(rid, prompt, max_tokens, starts[c] if t == 0 else 0.0,
+                                         f"c{c}", follows=prev,
+                                         think_s=think_s if t else 0.0))
+            prev = rid
+    return Workload("multi_turn", tuple(requests),
+                    f"{n_conversations} conversations of {turns} turns, interleaved: a "
+                    f"{doc_tokens}-token document, then each turn the previous prompt + its "
+                    f"{max_tokens}-token answer + a {question_tokens}-token question, "
+                    f"{think_s:g} s after the answer; conversations start Poisson "
+                    f"{rate_rps / turns:g}/s")
+
+
+def _answer(i: int, n: int) -> tuple[int, ...]:
+    """Placeholder ids for request i's answer (unique, beyond any vocabulary)."""
+    return tuple(range(2**31 + i * 4096, 2**31 + i * 4096 + n))
+
+
+def skeletons(workload: Workload) -> dict[str, tuple[int, ...]]:
+    """Each request's whole prompt in token ids, a follow-up's built from its predecessor's
+    prompt and an answer of the predecessor's `max_tokens` placeholder ids (the real one is
+    only known once generated)."""
+    out: dict[str, tuple[int, ...]] = {}
+    index = {r.request_id: i for i, r in enumerate(workload.requests)}
+    for r in workload.requests:
+        if r.follows is None:
+            out[r.request_id] = r.prompt_token_ids
+        else:
+            i = index[r.follows]
+            out[r.request_id] = (out[r.follows] + _answer(i, workload.requests[i].max_tokens)
+                                 + r.prompt_token_ids)
+    return out
+
+
 def reuse_ratio(workload: Workload, block_size: int) -> float:
     """Of all full prompt blocks, those an unlimited prefix cache would hit: a block hits when
-    its whole prefix (chained hash) appeared in an earlier request, in arrival order."""
+    its whole prefix (chained hash) appeared in an earlier request, in arrival order; a
+    follow-up turn comes after its predecessor, whose answer's blocks count as seen (an
+    engine caches what it generated)."""
     seen: set[int] = set()
     hit = total = 0
-    for r in sorted(workload.requests, key=lambda r: r.arrival_s):
-        hashes = block_hashes(r.prompt_token_ids, block_size)
+    turns = any(r.follows for r in workload.requests)
+    whole = skeletons(workload)
+    ordered = workload.requests if turns else sorted(workload.requests,
+                                                      key=lambda r: r.arrival_s)
+    for i, r in enumerate(ordered):
+        hashes = block_hashes(whole[r.request_id], block_size)
+        if turns:  # its answer, as its follow-up will see it
+            seen.update(block_hashes(whole[r.request_id] + _answer(i, r.max_tokens),
+                                     block_size)[len(hashes):])
         k = 0
         while k < len(hashes) and hashes[k] in seen:
             k += 1
