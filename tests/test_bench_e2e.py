@@ -236,7 +236,8 @@ def test_a_difference_counts_only_beyond_the_spread() -> None:
         spread.Spread.of([3.5, 4.0])
     assert (a.median, a.lo, a.hi, a.n) == (2.0, 1.0, 3.0, 3)
     assert not spread.beyond(a, b) and spread.beyond(a, c) and spread.beyond(c, a)
-    assert not spread.beyond(a, spread.Spread.of([]))
+    assert not spread.beyond(a, spread.Spread.of([])) and not spread.beyond(
+        spread.Spread.of([9.0]), a)
     runs = _runs({("kv_centric", "w"): [3.0, 3.2, 3.1], ("colocated", "w"): [1.0, 1.1, 0.9],
                   ("round_robin", "w"): [2.9, 3.5, 2.0]})
     rows = spread.markdown_table(runs).splitlines()

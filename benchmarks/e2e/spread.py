@@ -49,8 +49,9 @@ def spread(runs: Runs, system: str, workload: str, attr: str) -> Spread:
 
 
 def beyond(a: Spread, b: Spread) -> bool:
-    """The two ranges do not overlap: the difference exceeds the spread."""
-    return a.n > 0 and b.n > 0 and (a.lo > b.hi or a.hi < b.lo)
+    """The two ranges do not overlap: the difference exceeds the spread (never said of a
+    single repetition, which has no spread to exceed)."""
+    return a.n > 1 and b.n > 1 and (a.lo > b.hi or a.hi < b.lo)
 
 
 def axes(runs: Runs) -> tuple[list[str], list[str]]:
