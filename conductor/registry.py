@@ -165,7 +165,16 @@ class Registry:
         return self._instances.get(instance_id)
 
     def all(self) -> list[Instance]:
+        self._cool_down()
         return list(self._instances.values())
+
+    def _cool_down(self) -> float:
+        """Half-open the breakers whose cool-down is over (lazily, on every read of the
+        instances' states: an instance must not stay "broken" for want of traffic); now."""
+        clock = time.monotonic()
+        if self._next_close <= clock:
+            self._half_open(clock)
+        return clock
 
     def set_draining(self, instance_id: str, draining: bool) -> Instance | None:
         """Take an instance out of routing (or back in); its requests in flight go on."""
@@ -244,6 +253,7 @@ class Registry:
     def views(self) -> list[InstanceLoad]:
         """The routable instances' loads now (for health and metrics; routing uses
         `snapshot`)."""
+        self._cool_down()
         return [i.load.view() for i in self._instances.values() if i.routable]
 
     def mark_changed(self, instance_ids: Iterable[str]) -> None:
@@ -255,9 +265,7 @@ class Registry:
         """The routable (not draining, not unhealthy) instances' loads, frozen. Kept up to
         date by patching the previous snapshot with the instances changed since
         (`LoadState.on_change`, `mark_changed`): its cost follows changes, not cluster size."""
-        clock = time.monotonic()
-        if self._next_close <= clock:
-            self._half_open(clock)
+        self._cool_down()
         snap, dirty = self._snap, self._dirty
         params = params or (snap.params if snap is not None else SchedulerParams())
         cached = cached_blocks or _none

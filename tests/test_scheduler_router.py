@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import wait_until
 
 from cluster.instance import InstanceInfo
 from conductor.config import ConductorConfig
@@ -46,6 +47,20 @@ async def _router(model_dir: str, **config: object) -> tuple[Router, Registry]:
     registry.sync({"p0": _member("p0", "prefill", 1), "p1": _member("p1", "prefill", 2),
                    "d0": _member("d0", "decode", 3)})
     return router, registry
+
+
+async def test_a_broken_instance_serves_again_after_its_cooldown_without_traffic(model_dir):
+    """make test-hosts saw decode-c listed "broken" for 120 s after its link came back: its
+    breaker half-opened only when a request was routed, and none was."""
+    _, registry = await _router(model_dir)
+    registry.call_failed("d0", fatal=True, cooldown_s=0.05)
+    assert registry.get("d0").state == "broken"
+    assert "d0" not in {v.instance_id for v in registry.views()}
+    wait_until(lambda: any(i.instance_id == "d0" and i.state == "serving"
+                           for i in registry.all()),
+               timeout=5, what="d0 still broken after its cool-down")
+    assert "d0" in {v.instance_id for v in registry.views()}
+    assert registry.get("d0").state == "serving"
 
 
 def test_block_bytes_follow_the_model_geometry(model_dir):
