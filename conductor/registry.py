@@ -168,13 +168,12 @@ class Registry:
         self._cool_down()
         return list(self._instances.values())
 
-    def _cool_down(self) -> float:
+    def _cool_down(self) -> None:
         """Half-open the breakers whose cool-down is over (lazily, on every read of the
-        instances' states: an instance must not stay "broken" for want of traffic); now."""
+        instances' states: an instance must not stay "broken" for want of traffic)."""
         clock = time.monotonic()
         if self._next_close <= clock:
             self._half_open(clock)
-        return clock
 
     def set_draining(self, instance_id: str, draining: bool) -> Instance | None:
         """Take an instance out of routing (or back in); its requests in flight go on."""

@@ -288,6 +288,18 @@ def _http_direct(url: str, model: str) -> Callable[[str, str | None], float]:
     return direct
 
 
+def _start_router(run_dir: Path, procs: list[ManagedProcess], *args: str) -> str:
+    """vllm-router on a free loopback port with `args`, added to `procs` once started; its
+    URL, when it answers /health."""
+    port = free_port()
+    argv = [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1",
+            "--port", str(port), *args]
+    procs.append(ManagedProcess("vllm-router", argv, run_dir / "vllm-router.log").start())
+    url = f"http://127.0.0.1:{port}"
+    _wait_http(f"{url}/health", procs, 120, "vllm-router")
+    return url
+
+
 def vllm_router(e: Engines, run_dir: Path) -> Running:
     run_dir.mkdir(parents=True, exist_ok=True)
     master = StoreMaster(log_path=run_dir / "mooncake_master.log").start()
@@ -322,17 +334,9 @@ def vllm_router(e: Engines, run_dir: Path) -> Running:
             decodes.append(url)
         for url in prefills + decodes:
             _wait_http(f"{url}/health", procs, 600, "a vLLM server")
-        port = free_port()
-        argv = [sys.executable, "-m", "vllm_router.launch_router",
-                "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation"]
-        for url in prefills:
-            argv += ["--prefill", url]
-        for url in decodes:
-            argv += ["--decode", url]
-        router = ManagedProcess("vllm-router", argv, run_dir / "vllm-router.log").start()
-        procs.append(router)
-        url = f"http://127.0.0.1:{port}"
-        _wait_http(f"{url}/health", procs, 120, "vllm-router")
+        url = _start_router(run_dir, procs, "--vllm-pd-disaggregation",
+                            *(a for u in prefills for a in ("--prefill", u)),
+                            *(a for u in decodes for a in ("--decode", u)))
     except BaseException:
         _stop_all(procs, master, holder)
         raise
@@ -355,13 +359,7 @@ def vllm_router_dp(e: Engines, run_dir: Path) -> Running:
             urls.append(url)
         for url in urls:
             _wait_http(f"{url}/health", procs, 600, "a vLLM server")
-        port = free_port()
-        argv = [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1",
-                "--port", str(port), "--policy", "cache_aware", "--worker-urls", *urls]
-        router = ManagedProcess("vllm-router", argv, run_dir / "vllm-router.log").start()
-        procs.append(router)
-        url = f"http://127.0.0.1:{port}"
-        _wait_http(f"{url}/health", procs, 120, "vllm-router")
+        url = _start_router(run_dir, procs, "--policy", "cache_aware", "--worker-urls", *urls)
     except BaseException:
         _stop_all(procs)
         raise

@@ -197,20 +197,14 @@ class Checks:
         decode loads them over Mooncake's TCP transport: counted, and bit-identical to the
         standalone engine, tokens and logprobs."""
         self.cluster.ctl("drain", "decode-b")
-        body = self._body("completion", 32)
-        r = httpx.post(f"{self.url}/v1/completions", json=body, timeout=TIMEOUT)
-        r.raise_for_status()
-        out = r.json()
-        kv = out["kv_transfer"]
+        kv, ids, lps = self._complete("completion", 32)
         if (kv["prefill_instance"], kv["decode_instance"]) != ("prefill-b", "decode-c") \
                 or kv["blocks_loaded"] <= 0:
             raise AssertionError(f"not a cross-host load: {kv}")
-        choice = out["choices"][0]
-        drift = [self._identical("completion", choice["token_ids"],
-                                 choice["logprobs"]["token_logprobs"])]
+        drift = [self._identical("completion", ids, lps)]
         where = self._loaded_from("completion", kv["blocks_loaded"])
         self.served += 1
-        ids, lps, _, _ = self._stream(self._body("stream", 32, stream=True))
+        ids, lps, _ = self._stream(self._body("stream", 32, stream=True))
         drift.append(self._identical("stream", ids, lps))
         self.served += 1
         if max(drift) != 0.0:
@@ -232,7 +226,7 @@ class Checks:
 
         ok = False
         try:
-            ids, lps, gap, _ = self._stream(body, after=(8, cut))
+            ids, lps, gap = self._stream(body, after=(8, cut))
             self._identical("midstream", ids, lps)
             migrated = scrape(self.url)["stream_migrations"] - before
             if migrated < 1:
@@ -252,17 +246,12 @@ class Checks:
             back = time.monotonic() - t
             self.cluster.ctl("drain", "decode-b")
             try:
-                r = httpx.post(f"{self.url}/v1/completions", json=self._body("rejoin", 24),
-                               timeout=TIMEOUT)
-                r.raise_for_status()
+                kv, ids, lps = self._complete("rejoin", 24)
             finally:
                 self.cluster.ctl("undrain", "decode-b")
-            out = r.json()
-            kv = out["kv_transfer"]
             if kv["decode_instance"] != "decode-c":
                 raise AssertionError(f"served by {kv['decode_instance']}, not decode-c")
-            choice = out["choices"][0]
-            self._identical("rejoin", choice["token_ids"], choice["logprobs"]["token_logprobs"])
+            self._identical("rejoin", ids, lps)
             self._loaded_from("rejoin", kv["blocks_loaded"])
             self.served += 1
             ok = True
@@ -350,16 +339,23 @@ class Checks:
                 "ignore_eos": True, "return_token_ids": True, "logprobs": 1, "stream": stream}
 
     def _serve_one(self, name: str, stream: bool) -> None:
-        body = self._body(name, 24, stream)
         if stream:
-            ids, lps, _, _ = self._stream(body)
+            ids, lps, _ = self._stream(self._body(name, 24, stream=True))
         else:
-            r = httpx.post(f"{self.url}/v1/completions", json=body, timeout=TIMEOUT)
-            r.raise_for_status()
-            choice = r.json()["choices"][0]
-            ids, lps = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+            _, ids, lps = self._complete(name, 24)
         self._identical(name, ids, lps)
         self.served += 1
+
+    def _complete(self, name: str, max_tokens: int
+                  ) -> tuple[dict, list[int], list[float | None]]:
+        """A completion of prompt `name`, not streamed: its `kv_transfer`, token ids and
+        logprobs."""
+        r = httpx.post(f"{self.url}/v1/completions", json=self._body(name, max_tokens),
+                       timeout=TIMEOUT)
+        r.raise_for_status()
+        out = r.json()
+        choice = out["choices"][0]
+        return out["kv_transfer"], choice["token_ids"], choice["logprobs"]["token_logprobs"]
 
     def _loaded_from(self, name: str, loaded: int) -> str:
         """Where the `loaded` blocks decode-c loaded of prompt `name` are held: counts the
@@ -387,12 +383,12 @@ class Checks:
         return res.logprob_drift
 
     def _stream(self, body: dict, after: tuple[int, object] | None = None
-                ) -> tuple[list[int], list[float | None], float, dict]:
-        """A streamed completion: its token ids, logprobs, the longest gap between events (s)
-        and the last event. `after=(n, fn)` calls fn once n tokens have arrived."""
+                ) -> tuple[list[int], list[float | None], float]:
+        """A streamed completion: its token ids, logprobs and the longest gap between events
+        (s). `after=(n, fn)` calls fn once n tokens have arrived."""
         ids: list[int] = []
         lps: list[float | None] = []
-        gap, last, event, fired = 0.0, time.monotonic(), {}, after is None
+        gap, last, fired = 0.0, time.monotonic(), after is None
         with httpx.stream("POST", f"{self.url}/v1/completions", json=body,
                           timeout=TIMEOUT) as r:
             r.raise_for_status()
@@ -414,4 +410,4 @@ class Checks:
                     after[1]()
         if len(ids) != body["max_tokens"]:
             raise AssertionError(f"stream ended after {len(ids)} of {body['max_tokens']} tokens")
-        return ids, lps, gap, event
+        return ids, lps, gap

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.hosts import net
 from tests.hosts.net import Host
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,12 +65,8 @@ class Cluster:
     def script(self, host: Host, name: str, *args: str, timeout: float = 120.0,
                **extra: str) -> str:
         """Run deploy/<name> on `host`; its output, or an error with it."""
-        cmd = ["ip", "netns", "exec", host.ns, str(DEPLOY / name), *args]
-        p = subprocess.run(cmd, env=self.env(host, **extra), capture_output=True, text=True,
-                           timeout=timeout)
-        if p.returncode:
-            raise RuntimeError(f"host {host.name}: deploy/{name} {' '.join(args)}: exit "
-                               f"{p.returncode}\n{p.stdout}{p.stderr}")
+        p = net.run(str(DEPLOY / name), *args, ns=host.ns, env=self.env(host, **extra),
+                    timeout=timeout)
         return p.stdout + p.stderr
 
     def start_node_a(self) -> None:
@@ -100,15 +97,10 @@ class Cluster:
 
     def ctl(self, *args: str, timeout: float = 60.0) -> str:
         """`conductorctl` on node A, as the README's deploy section runs it."""
-        cmd = ["ip", "netns", "exec", self.a.ns, sys.executable, "-m", "conductorctl", *args]
         env = self.env(self.a, KVCLUSTER_ADMIN_ADDR=ADMIN, KVCLUSTER_ADMIN_TOKEN_FILE=str(
             self.state_dir(self.a) / "admin.token"))
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
-                           cwd=ROOT)
-        if p.returncode:
-            raise RuntimeError(f"conductorctl {' '.join(args)}: exit {p.returncode}: "
-                               f"{p.stderr.strip()}")
-        return p.stdout
+        return net.run(sys.executable, "-m", "conductorctl", *args, ns=self.a.ns, env=env,
+                       timeout=timeout, cwd=str(ROOT)).stdout
 
     def instances(self) -> dict[str, dict]:
         """instance id -> its row in `conductorctl --json instances` ({} while unreachable)."""
@@ -132,12 +124,9 @@ class Cluster:
 
     def segments(self, keys: list[str]) -> dict[str, str | None]:
         """key -> the pool segment (host:port) holding it, asked of the master from host A."""
-        cmd = ["ip", "netns", "exec", self.a.ns, sys.executable, "-m", "tests.hosts.segments",
-               f"{self.a.addr}:50051", f"http://{self.a.addr}:8080/metadata", self.a.addr]
-        p = subprocess.run(cmd, input=json.dumps(keys), env=self.env(self.a), cwd=ROOT,
-                           capture_output=True, text=True, timeout=120)
-        if p.returncode:
-            raise RuntimeError(f"segment lookup on A: exit {p.returncode}: {p.stderr[-2000:]}")
+        p = net.run(sys.executable, "-m", "tests.hosts.segments", f"{self.a.addr}:50051",
+                    f"http://{self.a.addr}:8080/metadata", self.a.addr, ns=self.a.ns,
+                    env=self.env(self.a), input=json.dumps(keys), cwd=str(ROOT), timeout=120)
         return json.loads(p.stdout.strip().splitlines()[-1])
 
     def kv_namespace(self, w: Worker) -> str:

@@ -32,12 +32,16 @@ class Host:
     """The root side of the host's veth pair: down cuts the host off from every other one."""
 
 
-def run(*args: str, ns: str | None = None, check: bool = True,
-        timeout: float = 30.0) -> subprocess.CompletedProcess:
+def run(*args: str, ns: str | None = None, check: bool = True, timeout: float = 30.0,
+        env: dict[str, str] | None = None, input: str | None = None,
+        cwd: str | None = None) -> subprocess.CompletedProcess:
+    """`args` (inside namespace `ns`, if given); raises with its output on a non-zero exit
+    when `check`."""
     cmd = (["ip", "netns", "exec", ns] if ns else []) + list(args)
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                       input=input, cwd=cwd)
     if check and p.returncode:
-        raise RuntimeError(f"{' '.join(cmd)}: exit {p.returncode}: {p.stderr.strip()}")
+        raise RuntimeError(f"{' '.join(cmd)}: exit {p.returncode}\n{p.stdout}{p.stderr}")
     return p
 
 
