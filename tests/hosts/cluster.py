@@ -72,10 +72,14 @@ class Cluster:
     def start_node_a(self) -> None:
         """etcd (TLS, client certificates and auth: `KVCLUSTER_ETCD_SECURE=1`), the pool's
         master, the conductor. The conductor always disaggregates
-        (Mooncake's shape), so that every prompt crosses from B's prefill to a decode."""
+        (Mooncake's shape), so that every prompt crosses from B's prefill to a decode, and
+        its decodes wait up to 10 s more than predicted for the prefill's blocks (0.5 s by
+        default): a prefill slowed past that on a busy machine would be computed again by
+        the decode, and the blocks the run checks were loaded across hosts would not be."""
         self.script(self.a, "etcd.sh")
         self.script(self.a, "store_master.sh")
-        self.script(self.a, "conductor.sh", KVCLUSTER_CONDUCTOR_DISAGGREGATE="always")
+        self.script(self.a, "conductor.sh", KVCLUSTER_CONDUCTOR_DISAGGREGATE="always",
+                    KVCLUSTER_CONDUCTOR_POOL_WAIT_MARGIN_S="10")
 
     def copy_secrets(self, host: Host) -> None:
         """What the operator does by hand (README, "Two nodes with deploy/"):
