@@ -47,6 +47,9 @@ CORES_PER_ENGINE = 8
 """CPU cores per engine when the shape is chosen: fewer engines with more threads each, since
 a second engine only pays once the first has cores it cannot use well (not measured beyond
 this machine's 2 cores; override with --both N)."""
+STEP_TOKENS_PER_THREAD = 128
+"""Prompt tokens a CPU engine that decodes computes per step and OpenMP thread
+(`Engine.step_tokens`)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,16 @@ class Engine:
     engine processes on its own: TPOT 5.0-5.2 ms, TTFT 32-48 ms; the prefill at normal
     priority 5.9 and 39-52 (one run each). Alone (every process floating) it changed
     nothing beyond the noise."""
+    step_tokens: int = 0
+    """Tokens one step of it may compute (`--max-num-batched-tokens`; 0: vLLM's 2048): set
+    for CPU engines that decode, so that a prompt is prefilled in chunks between the token
+    steps of the streams it shares the engine with. One core prefills the benchmark model
+    (25.7M parameters) at ~0.4 ms a token (`make bench-e2e`'s model; 128 tokens 53 ms, 2048
+    in 940 ms, one step each; chunked by 256, 2% slower in all), so vLLM's default budget
+    holds every stream ~1 s whenever a 2048-token prompt arrives, ten times a 100 ms TBT SLO;
+    `STEP_TOKENS_PER_THREAD` keeps a chunk near half of that. A model ten times larger
+    prefills ten times slower per token: this is a default for the tiny models here, not a
+    measurement of the one being served."""
 
 
 @dataclass(frozen=True)
@@ -110,7 +123,9 @@ class Shape:
         places = ", ".join(f"{e.role}: {'gpu ' + e.gpu if e.gpu else 'cores ' + e.cpu_bind}"
                            f" x{e.threads}{' background' if e.background else ''}"
                            + (f" (scheduler on {e.engine_core_cpus})" if e.engine_core_cpus
-                              else "") for e in self.engines)
+                              else "")
+                           + (f" {e.step_tokens}-token steps" if e.step_tokens else "")
+                           for e in self.engines)
         serving = f"; serving processes on cores {self.serving_cpus}" if self.serving_cpus else ""
         return f"{' + '.join(parts)} ({places}{serving}): {self.reason}"
 
@@ -123,8 +138,21 @@ def machine_cores() -> list[int]:
 
 
 def choose(cores: list[int], gpus: int = 0, prefill: int | None = None,
-           decode: int | None = None, both: int | None = None) -> Shape:
-    """The shape for these cores and GPUs; counts given (any of them) override the choice."""
+           decode: int | None = None, both: int | None = None,
+           step_tokens: int | None = None) -> Shape:
+    """The shape for these cores and GPUs; counts given (any of them) override the choice,
+    and `step_tokens` the CPU engines' step budget (0: vLLM's default)."""
+    s = _choose(cores, gpus, prefill, decode, both)
+    if step_tokens is None:
+        return s
+    if 0 < step_tokens < 32:
+        raise ValueError(f"step_tokens: 0 (vLLM's default) or at least 32, got {step_tokens}")
+    return replace(s, engines=tuple(replace(e, step_tokens=step_tokens if e.step_tokens else 0)
+                                    for e in s.engines))
+
+
+def _choose(cores: list[int], gpus: int, prefill: int | None, decode: int | None,
+            both: int | None) -> Shape:
     if prefill is not None or decode is not None or both is not None:
         roles = ["prefill"] * (prefill or 0) + ["decode"] * (decode or 0) + ["both"] * (both or 0)
         if not roles:
@@ -160,7 +188,8 @@ def _place(roles: list[str], cores: list[int], gpus: int, reason: str,
                            for i, r in enumerate(roles)), reason)
     n = len(roles)
     if n > len(cores):  # more engines than cores: unbound, one thread each
-        return Shape(tuple(Engine(r, "nobind", 1) for r in roles),
+        return Shape(tuple(Engine(r, "nobind", 1, step_tokens=_step_tokens(r, 1))
+                           for r in roles),
                      reason + f"; {n} engines on {len(cores)} cores share them")
     per = len(cores) // n
     machine = machine or cores
@@ -168,7 +197,8 @@ def _place(roles: list[str], cores: list[int], gpus: int, reason: str,
     if background:
         reason += "; prefill engines in the background of the serving processes"
     engines = [Engine(r, format_cpu_list(set(cores[i * per:(i + 1) * per])), per,
-                      background=background and r == "prefill") for i, r in enumerate(roles)]
+                      background=background and r == "prefill",
+                      step_tokens=_step_tokens(r, per)) for i, r in enumerate(roles)]
     computing = set().union(*(cpu_list(e.cpu_bind) for e in engines if not e.background))
     serving = format_cpu_list(set(machine) - computing)
     if serving:  # the engines' cores are their own: their schedulers join the serving cores
@@ -176,3 +206,9 @@ def _place(roles: list[str], cores: list[int], gpus: int, reason: str,
                    for e in engines]
     return Shape(tuple(engines), reason, serving)
 
+
+
+def _step_tokens(role: str, threads: int) -> int:
+    """A CPU engine's step budget (`Engine.step_tokens`); prefill engines, with no streams to
+    hold up, keep vLLM's larger one."""
+    return 0 if role == "prefill" else STEP_TOKENS_PER_THREAD * threads

@@ -81,6 +81,8 @@ class WorkerSpec(EngineSpec):
             argv += ["--engine-cpus", home]
         if placement is not None and placement.engine_core_cpus:
             argv += ["--engine-core-cpus", placement.engine_core_cpus]
+        if placement is not None and placement.step_tokens:
+            argv += ["--max-num-batched-tokens", str(placement.step_tokens)]
         if self.secret_file:
             argv += ["--secret-file", self.secret_file]
         if self.pool_store_client:

@@ -342,6 +342,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="kv_centric")
     p.add_argument("--eager", action="store_true",
                    help="engines in eager mode: up in ~20 s instead of ~60 s, each step slower")
+    p.add_argument("--step-tokens", type=int, default=None,
+                   help="tokens a CPU engine that decodes computes per step (vLLM's "
+                   "max_num_batched_tokens): a prompt is prefilled in chunks between its "
+                   f"streams' tokens (default: {shape.STEP_TOKENS_PER_THREAD} per thread; 0: "
+                   "vLLM's 2048)")
     p.add_argument("--etcd-port", type=int, default=0)
     p.add_argument("--store-rpc-port", type=int, default=0)
     p.add_argument("--store-metadata-port", type=int, default=0)
@@ -364,7 +369,11 @@ def spec_from_args(argv: list[str] | None = None) -> ClusterSpec:
 
     a = parser().parse_args(argv)
     model = a.model or str(ensure_model())
-    plan = shape.choose(shape.machine_cores(), _gpus(), a.prefill, a.decode, a.both)
+    try:
+        plan = shape.choose(shape.machine_cores(), _gpus(), a.prefill, a.decode, a.both,
+                            a.step_tokens)
+    except ValueError as e:
+        parser().error(str(e))
     return ClusterSpec(model=model, prefill=plan.count("prefill"), decode=plan.count("decode"),
                        both=plan.count("both"), shape=plan, http_port=a.port,
                        etcd_port=a.etcd_port, store_rpc_port=a.store_rpc_port,

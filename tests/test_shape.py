@@ -2,7 +2,7 @@
 
 import pytest
 
-from cluster.shape import choose
+from cluster.shape import STEP_TOKENS_PER_THREAD, choose
 
 
 def test_two_cores_keep_one_for_serving_and_bind_one_engine_to_the_other():
@@ -90,6 +90,25 @@ def test_the_worker_is_started_with_its_engine_core_placed_and_its_worker_spinni
     assert decode_argv[decode_argv.index("--engine-core-cpus") + 1] == "0"
     assert decode_argv[decode_argv.index("--engine-cpus") + 1] == "1"
     assert decode_env[WORKER_SPIN_ENV] == "1" and decode_env[SPIN_ENV] == "0.01"
+    assert "--max-num-batched-tokens" not in prefill_argv
+    assert decode_argv[decode_argv.index("--max-num-batched-tokens") + 1] == "128"
+
+
+def test_cpu_engines_that_decode_prefill_in_chunks_of_a_budget_per_thread():
+    """A long prompt cannot hold an engine's streams for a whole prefill (`step_tokens`)."""
+    assert [e.step_tokens for e in choose([0, 1]).engines] == [STEP_TOKENS_PER_THREAD]
+    assert f"{STEP_TOKENS_PER_THREAD}-token steps" in choose([0, 1]).describe()
+    assert [e.step_tokens for e in choose(list(range(17))).engines] == \
+        [8 * STEP_TOKENS_PER_THREAD] * 2
+    pd = choose([0, 1], prefill=2, decode=2)  # prefill engines keep vLLM's budget
+    assert [(e.role, e.step_tokens) for e in pd.engines] == \
+        [("prefill", 0)] * 2 + [("decode", STEP_TOKENS_PER_THREAD)] * 2
+    assert {e.step_tokens for e in choose(list(range(8)), gpus=2).engines} == {0}
+    assert [e.step_tokens for e in choose([0, 1], step_tokens=512).engines] == [512]
+    assert [e.step_tokens for e in choose([0, 1], step_tokens=0).engines] == [0]
+    assert [e.step_tokens for e in choose([0, 1], 0, 1, 1, None, 64).engines] == [0, 64]
+    with pytest.raises(ValueError):
+        choose([0, 1], step_tokens=16)
 
 
 @pytest.mark.parametrize("flag", ["--engine-cpus", "--engine-core-cpus"])
@@ -102,3 +121,15 @@ def test_a_worker_refuses_cores_the_machine_lacks(model_dir, flag, capsys):
     with pytest.raises(SystemExit):
         parse_args([*base, flag, "4096"], "decode")
     assert "no such cores here: '4096'" in capsys.readouterr().err
+
+
+def test_a_worker_refuses_a_step_budget_below_a_block(model_dir, capsys):
+    from worker.config import parse_args
+
+    base = ["--model", model_dir, "--etcd", "127.0.0.1:1", "--pool-master", "127.0.0.1:1",
+            "--pool-metadata", "http://127.0.0.1:1/metadata"]
+    assert parse_args([*base, "--max-num-batched-tokens", "128"], "decode") \
+        .max_num_batched_tokens == 128
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--max-num-batched-tokens", "16"], "decode")
+    assert "at least block_size (32), got 16" in capsys.readouterr().err

@@ -46,6 +46,11 @@ class WorkerConfig:
     dtype: str = "float32"
     kv_cache_bytes: int = 512 << 20
     max_num_seqs: int = 64
+    max_num_batched_tokens: int = 0
+    """Tokens one engine step may compute (vLLM's chunked-prefill budget): a longer prompt is
+    prefilled over several steps, beside the streams the engine decodes, whose next token
+    waits for each step. 0: vLLM's default (2048 on CPU). `cluster.shape` sets it for the
+    engines it places (`Engine.step_tokens`)."""
     pool_segment_bytes: int = 256 << 20
     pool_store_client: str = ""
     """host:port of this host's standalone `mooncake_client` (`store.master.StoreClientService`):
@@ -84,6 +89,9 @@ class WorkerConfig:
                              f"got {self.block_size}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
+        if self.max_num_batched_tokens and self.max_num_batched_tokens < self.block_size:
+            raise ValueError(f"max_num_batched_tokens must be 0 (vLLM's default) or at least "
+                             f"block_size ({self.block_size}), got {self.max_num_batched_tokens}")
         if self.lease_ttl < 1:
             raise ValueError(f"lease_ttl must be at least 1 s, got {self.lease_ttl}")
         if bool(self.pool_store_client) != bool(self.pool_store_client_segment):

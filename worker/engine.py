@@ -85,6 +85,7 @@ class Engine:
             block_size=c.block_size,
             max_model_len=c.max_model_len,
             max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens or None,
             kv_cache_memory_bytes=c.kv_cache_bytes,
             enable_prefix_caching=True,
             enforce_eager=c.enforce_eager,
