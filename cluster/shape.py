@@ -19,7 +19,9 @@ An explicit shape (`--prefill N --decode N --both N`) gets the cores shared out 
 cores share them unbound, one thread each. Where no core is left for the serving processes
 (Mooncake's shape on 2 cores: prefill on core 0, decode on core 1), prefill engines compute
 in the background (`Engine.background`): the serving processes, which carry every token of
-the decode's streams, take a prefill's core whenever they need it.
+the decode's streams, take a prefill's core whenever they need it. CPU engines that decode
+prefill in chunks (`Engine.step_tokens`), so that a long prompt does not hold their streams
+for a whole prefill.
 
 Placed engines keep all their processes on their own cores, and the serving processes are
 started on the rest (`Shape.serving_cpus`), so that nothing floats onto a core where an
