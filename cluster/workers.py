@@ -9,6 +9,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from cluster import loopback
 from cluster.engine_spec import EngineSpec
 from cluster.ports import free_port
 from cluster.process import ManagedProcess
@@ -102,6 +103,8 @@ class WorkerSpec(EngineSpec):
         if placement is not None and placement.background:
             env[BACKGROUND_ENV] = "1"
         env.update(dict(self.env))
+        # its worker binds loopback (WorkerConfig.host), and so does its engine's Mooncake
+        env = loopback.env("127.0.0.1", env)
         proc = ManagedProcess(instance_id, argv, Path(self.run_dir) / f"{instance_id}.log",
                               env=env)
         return proc.start(), port

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cluster import loopback
 from cluster.ports import free_ports, wait_for_port
 from cluster.process import ManagedServer
 
@@ -150,7 +151,7 @@ class StoreMaster(ManagedServer):
 
     def _start_once(self) -> None:
         returncode = self._launch(f"mooncake_master:{self.rpc_port}", self.argv(),
-                                  self.ready_timeout)
+                                  self.ready_timeout, env=loopback.env(self.host))
         if returncode is not None:
             raise RuntimeError(f"mooncake_master exited with {returncode} before ready; "
                                f"log {self.log_path}:\n{self.tail()}")
@@ -284,7 +285,8 @@ class StoreClientService(ManagedServer):
                 "--logtostderr=true", *self.extra_args]
 
     def start(self, timeout: float = 30.0) -> StoreClientService:
-        returncode = self._launch(f"mooncake_client:{self.port}", self.argv(), timeout)
+        returncode = self._launch(f"mooncake_client:{self.port}", self.argv(), timeout,
+                                  env=loopback.env(self.host))
         if returncode is not None:
             raise RuntimeError(f"mooncake_client exited with {returncode} at start; "
                                f"log {self.log_path}:\n{self.tail()}")

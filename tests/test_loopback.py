@@ -1,0 +1,129 @@
+"""Nothing of the embedded cluster listens beyond loopback (`cluster.loopback`): Mooncake's
+servers, which bind every address whatever they are told, included."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from cluster import loopback
+from cluster.ports import wait_for_port
+from store.master import StoreClientService, StoreMaster
+
+LISTEN = "0A"
+
+
+def _descendants(root: int) -> set[int]:
+    parent: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = set(), {root}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
+def _address(hex_addr: str) -> str:
+    raw = bytes.fromhex(hex_addr)
+    if len(raw) == 4:
+        return str(ipaddress.IPv4Address(raw[::-1]))
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))  # /proc: 32-bit words
+    return str(ipaddress.IPv6Address(words))
+
+
+def listeners(pids: set[int]) -> list[tuple[str, int, int]]:
+    """(address, port, pid) of every listening TCP socket the processes `pids` hold."""
+    owner: dict[str, int] = {}
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    owner[target[8:-1]] = pid
+        except OSError:  # gone, or not ours to read
+            continue
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == LISTEN and cols[9] in owner:
+                addr, port = cols[1].split(":")
+                out.append((_address(addr), int(port, 16), owner[cols[9]]))
+    return out
+
+
+def _wide(found: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    def loop(a: str) -> bool:
+        ip = ipaddress.ip_address(a)
+        mapped = getattr(ip, "ipv4_mapped", None)
+        return (mapped or ip).is_loopback
+
+    return [f for f in found if not loop(f[0])]
+
+
+def test_the_shim_is_for_loopback_hosts_only_and_keeps_other_preloads():
+    assert loopback.library() is not None, "cc is on every machine of this kind"
+    env = loopback.env("127.0.0.1", {"LD_PRELOAD": "/x.so"})
+    assert env["LD_PRELOAD"].split() == [str(loopback.library()), "/x.so"]
+    assert "LD_PRELOAD" not in loopback.env("198.18.77.10", {})
+
+
+def test_wildcard_binds_become_loopback_and_others_pass_through():
+    probe = """
+import socket
+s4 = socket.socket(); s4.bind(("0.0.0.0", 0))
+s6 = socket.socket(socket.AF_INET6)
+s6.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0); s6.bind(("::", 0)); s6.listen()
+socket.create_connection(("127.0.0.1", s6.getsockname()[1])).close()  # IPv4 clients still
+o6 = socket.socket(socket.AF_INET6)
+o6.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1); o6.bind(("::", 0))
+e = socket.socket(); e.bind(("127.0.0.2", 0))
+print(s4.getsockname()[0], s6.getsockname()[0], o6.getsockname()[0], e.getsockname()[0])
+"""
+    for host, expect in (("127.0.0.1", "127.0.0.1 ::ffff:127.0.0.1 ::1 127.0.0.2"),
+                         ("10.1.2.3", "0.0.0.0 :: :: 127.0.0.2")):
+        out = subprocess.run([sys.executable, "-c", probe], env=loopback.env(host),
+                             capture_output=True, text=True, check=True, timeout=60).stdout
+        assert out.split() == expect.split(), host
+
+
+def test_the_store_master_and_client_listen_on_loopback_only(tmp_path):
+    with StoreMaster(log_path=tmp_path / "master.log") as master:
+        client = StoreClientService(master, segment="64MB", log_path=tmp_path / "client.log")
+        try:
+            client.start()
+            found = listeners(_descendants(os.getpid()))
+            ports = {p for _, p, _ in found}
+            assert {master.http_port, master.rpc_port, client.port} <= ports
+            assert not _wide(found), found
+        finally:
+            client.stop()
+
+
+def test_without_the_shim_the_master_listens_on_every_address():
+    """What the shim is for, and that `listeners` sees a wide socket when there is one."""
+    master = StoreMaster()  # not started: its ports and command line
+    p = subprocess.Popen(master.argv(), env=loopback.env("10.1.2.3"),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_for_port("127.0.0.1", master.http_port, 30)
+        assert _wide(listeners({p.pid})), listeners({p.pid})
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_nothing_of_the_embedded_cluster_listens_beyond_loopback(cluster):
+    """The whole cluster: etcd, the master, the workers and their engines' transfer engines
+    (TCP pool, as across hosts), the conductor."""
+    found = listeners(_descendants(os.getpid()))
+    assert len({pid for _, _, pid in found}) >= 5, found  # etcd, master, 2 engines, conductor
+    assert not _wide(found), found
