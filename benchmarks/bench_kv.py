@@ -184,7 +184,7 @@ def worker_main(args: argparse.Namespace) -> None:
             b.copy_(t)
         layers = backed
     transfer = KVTransfer(BlockLayout.of(layers, args.blocks), lambda: pool,
-                          staging_blocks=args.staging_blocks)
+                          staging_blocks=args.staging_blocks, checksum=args.checksum)
     assert transfer.connect()
     flat = None
     if args.role == "reader":  # for the transport probe: one contiguous range per object
@@ -247,14 +247,15 @@ def worker_main(args: argparse.Namespace) -> None:
 class Worker:
     def __init__(self, role: str, shape: Shape, blocks: int, master, env: dict[str, str],
                  max_threads: int, own_segment: bool = False, staging_blocks: int = 0,
-                 store_client: str = "") -> None:
+                 store_client: str = "", checksum: bool = False) -> None:
         argv = [sys.executable, "-m", "benchmarks.bench_kv", "--worker", role,
                 "--layers", str(shape.layers), "--kv-heads", str(shape.kv_heads),
                 "--head-dim", str(shape.head_dim), "--blocks", str(blocks),
                 "--master", master.master_addr, "--metadata", master.metadata_url,
                 "--max-threads", str(max_threads), "--staging-blocks", str(staging_blocks),
                 "--store-client", store_client,
-                ] + (["--own-segment"] if own_segment else [])
+                ] + (["--own-segment"] if own_segment else []) \
+            + (["--checksum"] if checksum else [])
         full_env = {**os.environ, **env, "PYTHONPATH": str(ROOT), "GLOG_minloglevel": "2"}
         self.proc = subprocess.Popen(argv, cwd=ROOT, env=full_env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -303,6 +304,8 @@ class Setting:
     store_client: bool = False
     """Writer and reader are Mooncake dummy clients of a standalone `mooncake_client` that owns
     the segment; their caches live in shared memory it maps: put and get are memcpys there."""
+    checksum: bool = False
+    """Every object carries its block's digest, verified on load (`store.checksum`)."""
 
 
 @dataclass
@@ -333,9 +336,10 @@ def run_setting(s: Setting, shape: Shape, blocks: int, rounds: int, master) -> R
 def _run_setting(s: Setting, shape: Shape, blocks: int, rounds: int, master,
                  store_client: str) -> Result:
     writer = Worker("writer", shape, blocks, master, s.env, s.threads, s.own_segment,
-                    store_client=store_client)
+                    store_client=store_client, checksum=s.checksum)
     reader = Worker("reader", shape, blocks, master, s.env, s.threads,
-                    staging_blocks=s.staging_blocks, store_client=store_client)
+                    staging_blocks=s.staging_blocks, store_client=store_client,
+                    checksum=s.checksum)
     nbytes = blocks * shape.block_bytes
     puts, gets, flats, identical, latency = [], [], [], True, 0.0
     try:
@@ -347,19 +351,22 @@ def _run_setting(s: Setting, shape: Shape, blocks: int, rounds: int, master,
             if p["ok"] != blocks or g["ok"] != blocks:
                 raise RuntimeError(f"{s.name}: put {p['ok']}/{blocks}, got {g['ok']}/{blocks}")
             identical &= g["identical"]
-            f = reader.ask(op="get_flat", prefix=prefix, batch=s.get_batch or s.batch)
+            # the probe reads plain objects (a digested one is longer)
+            f = None if s.checksum else reader.ask(op="get_flat", prefix=prefix,
+                                                   batch=s.get_batch or s.batch)
             if r == rounds:
                 latency = reader.ask(op="latency", prefix=prefix)["median_s"]
             writer.ask(op="remove", prefix=prefix)
             if r:
                 puts.append(nbytes / p["seconds"] / GB)
                 gets.append(nbytes / g["seconds"] / GB)
-                flats.append(nbytes / f["seconds"] / GB)
+                if f is not None:
+                    flats.append(nbytes / f["seconds"] / GB)
     finally:
         writer.close()
         reader.close()
     return Result(s, statistics.median(puts), statistics.median(gets), identical, latency,
-                  statistics.median(flats))
+                  statistics.median(flats) if flats else 0.0)
 
 
 # ------------------------------------------------------------------------------ Mooncake's own
@@ -443,6 +450,8 @@ SETTINGS = [
             get_batch=256, own_segment=True),
     Setting("connector + load_staging_blocks=256", 64, 1, get_batch=256, own_segment=True,
             staging_blocks=256),
+    Setting("connector + checksum", 64, 1, get_batch=256, own_segment=True, checksum=True),
+    Setting("shm + checksum", 64, 1, get_batch=256, store_client=True, checksum=True),
     Setting("shm: dummy clients of one mooncake_client, put 64 / get 256", 64, 1,
             get_batch=256, store_client=True),
 ]
@@ -465,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("--layers", "--kv-heads", "--head-dim", "--max-threads", "--staging-blocks"):
         p.add_argument(name, type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--own-segment", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--checksum", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--master", help=argparse.SUPPRESS)
     p.add_argument("--metadata", help=argparse.SUPPRESS)
     p.add_argument("--store-client", default="", help=argparse.SUPPRESS)
@@ -521,10 +531,11 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"setting: {s.name} ...")
                 r = run_setting(s, shape, args.blocks, args.rounds, master)
                 results.append(r)
+                probe = (f"  (probe: get into one range per block {r.get_flat_gbps:.2f} GB/s)"
+                         if r.get_flat_gbps else "")
                 say(f"  put {r.put_gbps:.2f} GB/s  get {r.get_gbps:.2f} GB/s  "
                     f"bytes identical: {r.identical}  1-block get latency "
-                    f"{r.get_latency_s * 1e3:.2f} ms  (probe: get into one range per block "
-                    f"{r.get_flat_gbps:.2f} GB/s)")
+                    f"{r.get_latency_s * 1e3:.2f} ms{probe}")
         finally:
             holder.close()
         say("Mooncake transfer_engine_bench (TCP, 1 MiB blocks, 2 threads, no store)...")
@@ -534,7 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     best = max(results, key=lambda r: min(r.put_gbps, r.get_gbps))
     tcp_default = results[0]  # the connector over TCP
     # the summary: the connector on the shared-memory path where it ran, else over TCP
-    default = next((r for r in results if r.setting.store_client), tcp_default)
+    default = next((r for r in results if r.setting.store_client and not r.setting.checksum),
+                   tcp_default)
     load_block_s = shape.block_bytes / (default.get_gbps * GB)
     say(f"best setting: {best.setting.name} {best.setting.env or ''}; the summary line is "
         f"{default.setting.name}")
@@ -549,6 +561,13 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         say(f"  {r.setting.name:48s} put {r.put_gbps:5.2f}  get {r.get_gbps:5.2f} GB/s  "
             f"put/tcp {r.put_gbps / tcp:.2f}  get/tcp {r.get_gbps / tcp:.2f}")
+    for plain in (tcp_default, default):
+        summed = next((r for r in results if r.setting.checksum
+                       and r.setting.store_client == plain.setting.store_client), None)
+        if summed is not None:
+            say(f"checksum cost ({'shm' if plain.setting.store_client else 'TCP'}): put "
+                f"{summed.put_gbps / plain.put_gbps:.2f}x, get "
+                f"{summed.get_gbps / plain.get_gbps:.2f}x the throughput without")
     t = tcp_default
     say(f"connector over TCP: put {t.put_gbps:.2f} get {t.get_gbps:.2f} GB/s (put/tcp "
         f"{t.put_gbps / tcp:.2f}, get/tcp {t.get_gbps / tcp:.2f}); summary setting: put "

@@ -24,6 +24,8 @@ class EngineSpec:
     step for the tiny model here, ~45 s more to start: `make run`)."""
     lease_ttl: float = 10.0
     """Each worker's etcd lease: how long a silent worker stays registered."""
+    kv_checksum: bool = False
+    """Pool objects carry their block's digest, verified on load (`store.checksum`)."""
 
     def engine_kwargs(self) -> dict[str, Any]:
         """These settings as keyword arguments, for the next spec down."""

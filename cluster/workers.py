@@ -72,6 +72,7 @@ class WorkerSpec(EngineSpec):
             "--pool-segment-bytes", str(self.pool_segment_bytes),
             "--lease-ttl", str(self.lease_ttl),
             "--enforce-eager", str(self.enforce_eager).lower(),
+            "--kv-checksum", str(self.kv_checksum).lower(),
         ]
         if role == "both":
             argv += ["--role", "both"]

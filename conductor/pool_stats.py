@@ -32,6 +32,7 @@ BLOCK_KINDS = {
     "save_failed": "save_failed",
     "loaded": "blocks_loaded",
     "load_failed": "load_failed",
+    "checksum_failed": "checksum_failed",
     "lookup_hit": "lookup_blocks_hit",
 }
 """`kvcluster_pool_blocks_total{kind}`: the `PoolStats` field each kind counts."""
@@ -87,7 +88,8 @@ class PoolCollector(Collector):
         blocks = CounterMetricFamily(
             "kvcluster_pool_blocks", "KV blocks through the instance's pool connector, by kind: "
             "saved (of which saved_generated), deduplicated (already pooled, not written), "
-            "save_skipped_full, save_failed, loaded, load_failed (recomputed), lookup_hit.",
+            "save_skipped_full, save_failed, loaded, load_failed (recomputed; of which "
+            "checksum_failed: arrived whole, did not match their digest), lookup_hit.",
             labels=["instance", "kind"])
         nbytes = CounterMetricFamily("kvcluster_pool_bytes", "KV bytes written to (save) and "
                                      "read from (load) the pool.",

@@ -19,6 +19,7 @@ import numpy as np
 import structlog
 import torch
 
+from store.checksum import Digests
 from store.pool import Fences, PoolError, ZeroCopyPool
 
 log = structlog.get_logger(__name__)
@@ -154,6 +155,8 @@ class TransferStats:
     bytes_loaded: int = 0
     load_failed: int = 0
     """Blocks whose load failed after the lookup promised them: vLLM recomputes them."""
+    checksum_failed: int = 0
+    """Of `load_failed`, blocks that arrived whole but did not match their digest."""
     load_batches: int = 0
     load_seconds: float = 0.0
     load_buckets: tuple[int, ...] = field(default_factory=_no_buckets)
@@ -182,13 +185,21 @@ class KVTransfer:
     pool trouble (results say what happened, `stats` counts it)."""
 
     def __init__(self, layout: BlockLayout, pool: Callable[[], ZeroCopyPool | None], *,
-                 staging_blocks: int = 0) -> None:
+                 staging_blocks: int = 0, checksum: bool = False) -> None:
         """`staging_blocks` > 0 (host memory only): loads land in a registered staging buffer
         of that many blocks, one contiguous range per object, and are scattered into the cache
         by numpy (one vectorized copy per layer piece and batch). Not zero-copy, but Mooncake's
         TCP transport moves one range per object instead of one per layer piece, which is what
-        limits it with small pieces (see docs/benchmarks.md). 0: straight into the cache."""
+        limits it with small pieces (see docs/benchmarks.md). 0: straight into the cache.
+        `checksum`: every object carries its block's digest, verified on load
+        (`store.checksum`; host memory only)."""
+        if checksum and layout.device != "cpu":
+            raise ValueError(f"KV checksums need the cache in host memory, not {layout.device}")
         self.layout = layout
+        self.checksum = checksum
+        self._sums: Digests | None = None
+        """Per block id of the cache, the digest slot its object carries."""
+        self._stage_sums: Digests | None = None
         self._pool_source = pool
         self._registered: ZeroCopyPool | None = None
         self._lock = threading.Lock()
@@ -211,6 +222,12 @@ class KVTransfer:
                 if self._stage is not None:
                     regions.append((self._stage.ctypes.data, self._stage.nbytes))
                 try:
+                    if self.checksum:
+                        self._sums = Digests(self.layout.num_blocks, pool)
+                        regions.append(self._sums.region)
+                        if self._stage is not None:
+                            self._stage_sums = Digests(len(self._stage), pool)
+                            regions.append(self._stage_sums.region)
                     for addr, nbytes in regions:
                         pool.register_memory(addr, nbytes)
                 except PoolError as e:
@@ -254,8 +271,11 @@ class KVTransfer:
         if not todo:
             return self._count_save(SaveResult(0, n, 0, 0), 0, t0, generated)
         segment = pool.segment_of(near) if near is not None else None
+        if self._sums is not None:
+            for i in todo:
+                self._sums.seal(block_ids[i], self.layout.ranges(block_ids[i]))
         report = pool.put_from([keys[i] for i in todo],
-                               [self.layout.ranges(block_ids[i]) for i in todo], segment=segment,
+                               [self._object(block_ids[i]) for i in todo], segment=segment,
                                fences=fences)
         result = SaveResult(report.written, n - len(todo), report.full,
                             report.failed + report.unavailable)
@@ -292,8 +312,10 @@ class KVTransfer:
         elif self._stage is not None:
             ok = self._load_staged(pool, keys, block_ids)
         else:
-            ok = pool.get_into(list(keys), [self.layout.ranges(b) for b in block_ids],
-                               fences=fences)
+            ok = pool.get_into(list(keys), [self._object(b) for b in block_ids], fences=fences)
+            if self._sums is not None:
+                ok = self._verified(ok, [(b, self.layout.ranges(b)) for b in block_ids],
+                                    self._sums)
         loaded = sum(ok)
         seconds = time.perf_counter() - t0
         with self._lock:
@@ -305,6 +327,25 @@ class KVTransfer:
             s.load_seconds += seconds
             s.load_buckets = _bucketed(s.load_buckets, seconds)
         return ok
+
+    def _object(self, block_id: int) -> list[tuple[int, int]]:
+        """The ranges of block `block_id`'s object: its pieces, then its digest slot."""
+        ranges = self.layout.ranges(block_id)
+        if self._sums is not None:
+            ranges.append(self._sums.slot(block_id))
+        return ranges
+
+    def _verified(self, ok: list[bool], blocks: Sequence[tuple[int, list[tuple[int, int]]]],
+                  sums: Digests) -> list[bool]:
+        """`ok`, False where what arrived (slot, ranges) does not match its digest."""
+        out = [g and sums.verify(slot, ranges) for g, (slot, ranges) in zip(ok, blocks,
+                                                                             strict=True)]
+        bad = sum(ok) - sum(out)
+        if bad:
+            log.warning("kv_checksum_mismatch", blocks=bad, fallback="recompute")
+            with self._lock:
+                self.stats.checksum_failed += bad
+        return out
 
     def _load_staged(self, pool: ZeroCopyPool, keys: Sequence[str],
                      block_ids: Sequence[int]) -> list[bool]:
@@ -318,11 +359,16 @@ class KVTransfer:
                 return [False] * len(keys)
             for start in range(0, len(keys), len(stage)):
                 ck = list(keys[start:start + len(stage)])
-                got = pool.get_into(ck, [[(base + i * nbytes, nbytes)] for i in range(len(ck))],
+                spans = [[(base + i * nbytes, nbytes)] for i in range(len(ck))]
+                sums = self._stage_sums
+                got = pool.get_into(ck, [r + [sums.slot(i)] if sums else r
+                                         for i, r in enumerate(spans)],
                                     fences=self._stage_fences)
                 if self._stage_fences:  # given up on: what it wrote so far is not trusted
                     ok.extend([False] * (len(keys) - len(ok)))
                     break
+                if sums is not None:
+                    got = self._verified(got, list(enumerate(spans)), sums)
                 rows = [i for i, g in enumerate(got) if g]
                 if rows:
                     ids = [block_ids[start + i] for i in rows]

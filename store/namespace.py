@@ -18,13 +18,18 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 CHUNK = 8 << 20
 
 
-def kv_namespace(model: str, block_size: int, dtype: str, engine: str | None = None) -> str:
-    """`kv-<digest>`; `engine`: what else decides the KV layout (default `engine_identity()`)."""
+def kv_namespace(model: str, block_size: int, dtype: str, engine: str | None = None,
+                 checksum: bool = False) -> str:
+    """`kv-<digest>`; `engine`: what else decides the KV layout (default `engine_identity()`);
+    `checksum`: the objects carry digests (`store.checksum`), and so differ from those
+    without."""
     cfg = Path(model, "config.json")
     blob = cfg.read_bytes() if cfg.exists() else model.encode()
     if engine is None:
         engine = engine_identity()
     ident = f"|{weights_digest(model)}|{block_size}|{dtype}|{engine}".encode()
+    if checksum:
+        ident += b"|xxh3-128"
     return f"kv-{hashlib.sha256(blob + ident).hexdigest()[:16]}"
 
 

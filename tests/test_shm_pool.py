@@ -5,15 +5,20 @@ client's shared memory, blocks moved by memcpy (docs/benchmarks.md, bench-kv).""
 from __future__ import annotations
 
 import httpx
+import pytest
 from conftest import BLOCK_SIZE, DTYPE, LEASE_TTL, MAX_MODEL_LEN, MAX_TOKENS
 from test_e2e import assert_same_output
 
 from embedded import ClusterSpec, EmbeddedCluster
 
 
+@pytest.mark.parametrize("checksum", [False, True], ids=["plain", "checksum"])
 def test_a_request_through_the_shm_pool_equals_a_single_engine(model_dir, prompt_ids, reference,
-                                                                tmp_path):
+                                                                tmp_path, checksum):
+    """`checksum`: every block carries its digest (`--kv-checksum`), its slots in the
+    client's shared memory too, and every loaded block is verified."""
     spec = ClusterSpec(model=model_dir, prefill=1, decode=1, http_port=0, run_dir=str(tmp_path),
+                       kv_checksum=checksum,
                        block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, dtype=DTYPE,
                        kv_cache_bytes=128 << 20, pool_segment_bytes=128 << 20,
                        lease_ttl=LEASE_TTL, admin_port=-1, pool_shm=True,
@@ -38,4 +43,7 @@ def test_a_request_through_the_shm_pool_equals_a_single_engine(model_dir, prompt
         assert_same_output(choice["token_ids"], choice["logprobs"]["token_logprobs"],
                            reference["e2e"])
         for w in c.workers.values():  # each engine's cache is the client's shared memory
-            assert "kv_cache_in_shared_memory" in w.process.log_path.read_text(errors="replace")
+            log = w.process.log_path.read_text(errors="replace")
+            assert "kv_cache_in_shared_memory" in log
+            assert "kv_checksum_mismatch" not in log and "kv_register_failed" not in log
+            assert f"checksum={checksum}" in log

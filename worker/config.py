@@ -71,6 +71,10 @@ class WorkerConfig:
     """The cores the engine-core process (vLLM's scheduler) runs on, when not `engine_cpus`:
     the model worker it forks then binds its OpenMP threads to `engine_cpus` by
     `VLLM_CPU_OMP_THREADS_BIND` (`cluster.shape.Engine.engine_core_cpus`)."""
+    kv_checksum: bool = False
+    """Every KV block in the pool carries a digest, verified when loaded: a block that does
+    not match is recomputed (`store.checksum`; host-memory caches only). Engines with and
+    without it share no blocks (their namespaces differ)."""
     kv_events: bool = True
     """Publish the engine's prefix-cache changes to the conductor (the `KvEvents` RPC)."""
     secret_file: str = ""
@@ -92,6 +96,8 @@ class WorkerConfig:
         if self.max_num_batched_tokens and self.max_num_batched_tokens < self.block_size:
             raise ValueError(f"max_num_batched_tokens must be 0 (vLLM's default) or at least "
                              f"block_size ({self.block_size}), got {self.max_num_batched_tokens}")
+        if self.kv_checksum and self.device != "cpu":
+            raise ValueError("kv_checksum needs the KV cache in host memory (device cpu)")
         if self.lease_ttl < 1:
             raise ValueError(f"lease_ttl must be at least 1 s, got {self.lease_ttl}")
         if bool(self.pool_store_client) != bool(self.pool_store_client_segment):

@@ -40,7 +40,8 @@ class Engine:
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        self.namespace = kv_namespace(config.model, config.block_size, config.dtype)
+        self.namespace = kv_namespace(config.model, config.block_size, config.dtype,
+                                      checksum=config.kv_checksum)
         self._llm = None
         self.relay = None
         """The KV event relay (`worker.kv_events`), when `config.kv_events`."""
@@ -76,6 +77,7 @@ class Engine:
                 "local_host": c.advertise_host,
                 "store_client": c.pool_store_client,
                 "store_client_segment": c.pool_store_client_segment,
+                "checksum": c.kv_checksum,
             },
         )
         args = AsyncEngineArgs(

@@ -56,6 +56,9 @@ class ConnectorSettings:
     """That client's segment name (`StoreClientService.segment_name`), where saves go."""
     load_poll_s: float = 0.002
     """How often a load waiting for blocks a prefill is still writing looks for them."""
+    checksum: bool = False
+    """Every block's object carries its digest, verified on load (`store.checksum`); the
+    namespace must say so (`kv_namespace(checksum=True)`)."""
     save_generated: bool = True
     """A saving engine also saves the blocks its generated tokens fill, next to the prompt's
     blocks (see the module docstring)."""

@@ -56,7 +56,8 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         layout = BlockLayout.of(list(kv_caches.values()), num_blocks)
         self.transfer = KVTransfer(layout, self.pool.get,
-                                   staging_blocks=self.settings.load_staging_blocks)
+                                   staging_blocks=self.settings.load_staging_blocks,
+                                   checksum=self.settings.checksum)
         self.transfer.connect()  # join the pool and register the cache now, not mid-request
         self.loader = Loader(self.transfer, self.settings.load_poll_s, self.fences)
         if self.saves:
@@ -64,7 +65,8 @@ class WorkerSide:
         first = next(iter(kv_caches.values()))
         log.info("kv_caches_registered", layers=len(kv_caches), shape=tuple(first.shape),
                  block_dim=block_dim(first, layout.num_blocks), device=layout.device,
-                 block_bytes=layout.block_nbytes, pieces_per_block=len(layout.ranges(0)))
+                 block_bytes=layout.block_nbytes, pieces_per_block=len(layout.ranges(0)),
+                 checksum=self.settings.checksum)
 
     def start_load_kv(self, meta: PoolConnectorMetadata) -> None:
         """Hand this step's loads to the loader (after the forward pass was launched)."""
