@@ -3,7 +3,10 @@
 An instance whose check fails leaves routing, long before its etcd lease would expire: at
 once when it refuses the connection or is not SERVING (a worker in graceful shutdown says
 NOT_SERVING), after two checks in a row when it is merely slow to answer (a busy machine is
-not a dead one). The next successful check brings it back. Requests in flight are untouched.
+not a dead one). The next successful check brings it back. Its calls in flight go on while
+it says NOT_SERVING (a graceful drain); when it does not answer at all (refused, or twice too
+slow: a stopped process keeps its connections open and silent) they are cancelled, and their
+requests retry or migrate at once instead of waiting for the stall deadline.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from protos import worker_pb2
 log = structlog.get_logger(__name__)
 
 SERVICE = "kvcluster.v1.Worker"
+SILENT = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+"""Health answers that mean the instance is gone or wedged (`Registry.set_unhealthy(lost)`)."""
 
 
 class HealthChecker(PerInstance):
@@ -87,5 +92,5 @@ class HealthChecker(PerInstance):
             if why:
                 self.failures_total += 1
             if slow != 1:  # one slow answer alone changes nothing
-                self.registry.set_unhealthy(iid, bool(why), why)
+                self.registry.set_unhealthy(iid, bool(why), why, lost=why in SILENT)
             await asyncio.sleep(max(self.interval_s - (loop.time() - started), 0.05))

@@ -45,6 +45,7 @@ from conductor.resilience import (
     WorkerFailure,
     cancelled_by_us,
     left,
+    lost,
     rpc_failure,
     stalled,
 )
@@ -256,14 +257,17 @@ class Pipeline:
                            params: worker_pb2.SamplingParams | None = None
                            ) -> worker_pb2.PrefillReply:
         iid = inst.info.instance_id
+        call = None
         try:
-            reply = await inst.stub.Prefill(
+            call = inst.stub.Prefill(
                 worker_pb2.PrefillRequest(request_id=prep.request_id, token_ids=prep.token_ids,
                                           cache_salt=prep.cache_salt,
                                           pool_wait=worker_pb2.PoolWait(blocks=pool_blocks),
                                           params=params),
                 timeout=self.config.prefill_timeout_s,
             )
+            inst.calls.add(call)
+            reply = await call
         except grpc.aio.AioRpcError as e:
             raise rpc_failure(e, iid, "prefill") from None
         except grpc.aio.UsageError:  # its channel closed: it left after we chose it
@@ -271,7 +275,9 @@ class Pipeline:
         except asyncio.CancelledError:
             if cancelled_by_us():
                 raise
-            raise left(iid, "prefill") from None
+            raise (lost(iid, "prefill") if inst.lost else left(iid, "prefill")) from None
+        finally:
+            inst.calls.discard(call)
         self.registry.call_succeeded(iid)
         return reply
 
@@ -348,6 +354,7 @@ class Pipeline:
         stall_s = self.config.stall_s(prep.tbt_slo_s)
         ended = False
         held: list[worker_pb2.TokenLogprobs] = []  # prompt logprobs of steps without output
+        inst.calls.add(call)  # cancelled if the instance is lost (`Registry.set_unhealthy`)
         read = asyncio.ensure_future(call.read())
         try:
             chunk, early = await self._first_chunk(read, prefill, iid, first)
@@ -399,8 +406,9 @@ class Pipeline:
         except asyncio.CancelledError:
             if cancelled_by_us():
                 raise
-            raise left(iid, "decode") from None
+            raise (lost(iid, "decode") if inst.lost else left(iid, "decode")) from None
         finally:
+            inst.calls.discard(call)
             if not read.done():
                 read.cancel()
             if ended:

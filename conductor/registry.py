@@ -48,6 +48,12 @@ class Instance:
     verified: bool = True
     """It proved it holds the cluster secret (`conductor.health`); False until then when the
     cluster has one: not routed to."""
+    calls: set[grpc.aio.Call] = field(default_factory=set)
+    """Its prefill and decode calls in flight: cancelled when it is found lost
+    (`Registry.set_unhealthy`), so that their requests move on at once."""
+    lost: bool = False
+    """Unhealthy because it did not answer at all (unreachable, or silent: a stopped
+    process), not because it said NOT_SERVING (a graceful drain, whose calls go on)."""
 
     @property
     def instance_id(self) -> str:
@@ -185,15 +191,26 @@ class Registry:
                      instance_id=instance_id)
         return inst
 
-    def set_unhealthy(self, instance_id: str, unhealthy: bool, why: str = "") -> None:
+    def set_unhealthy(self, instance_id: str, unhealthy: bool, why: str = "",
+                      lost: bool = False) -> None:
+        """`lost`: it did not answer at all: its calls in flight are cancelled (they fail as
+        the instance's, and their requests retry or migrate), not left to their deadlines."""
         inst = self._instances.get(instance_id)
-        if inst is not None and inst.unhealthy != unhealthy:
+        if inst is None:
+            return
+        if inst.unhealthy != unhealthy:
             inst.unhealthy = unhealthy
             self._snap = None
             if unhealthy:
                 log.warning("instance_unhealthy", instance_id=instance_id, why=why)
             else:
                 log.info("instance_healthy", instance_id=instance_id)
+        inst.lost = unhealthy and lost
+        if inst.lost and inst.calls:
+            log.warning("instance_lost_calls_cancelled", instance_id=instance_id, why=why,
+                        calls=len(inst.calls))
+            for call in list(inst.calls):
+                call.cancel()
 
     def set_verified(self, instance_id: str) -> None:
         """The instance proved it holds the cluster secret: routable from now on."""

@@ -111,6 +111,15 @@ def left(instance: str, stage: str) -> WorkerFailure:
         f"{stage} on {instance}: the instance left the cluster"))
 
 
+def lost(instance: str, stage: str) -> WorkerFailure:
+    """The health checker cancelled the call: the instance stopped answering
+    (`Registry.set_unhealthy(lost=True)`)."""
+    log.warning("worker_rpc_failed", instance=instance, stage=stage, code="UNAVAILABLE",
+                details="cancelled: the instance stopped answering its health checks")
+    return WorkerFailure(instance, grpc.StatusCode.UNAVAILABLE, UpstreamFailed(
+        f"{stage} on {instance}: the instance stopped answering"))
+
+
 def cancelled_by_us() -> bool:
     """A CancelledError out of a worker call is ours (the client went away) when this task is
     being cancelled; otherwise grpc.aio cancelled the call itself because the channel to an

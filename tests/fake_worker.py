@@ -96,12 +96,27 @@ class FakePool:
         return self.written.setdefault(request_id, asyncio.Event())
 
 
+class SilentHealth(health.aio.HealthServicer):
+    """The standard health service, except that it does not answer while its worker's
+    `health_silent` is set (a stopped process: connections open, nothing said)."""
+
+    def __init__(self, worker: FakeWorker) -> None:
+        super().__init__()
+        self._worker = worker
+
+    async def Check(self, request, context):
+        while self._worker.health_silent:
+            await asyncio.sleep(0.02)
+        return await super().Check(request, context)
+
+
 class FakeWorker(worker_pb2_grpc.WorkerServicer):
     def __init__(self, knobs: Knobs, pool: FakePool | None = None) -> None:
         self.knobs = knobs
         self.counts = Counts()
         self.pool = pool or FakePool()
         self._ready: dict[str, asyncio.Event] = {}
+        self.health_silent = False
 
     async def Prefill(self, request, context):
         received = time.time()
@@ -329,7 +344,7 @@ class LocalConductor:
             guard = RequireToken(secret) if secret and iid not in self.impostors else None
             server = grpc.aio.server(interceptors=[guard] if guard else None)
             worker_pb2_grpc.add_WorkerServicer_to_server(fake, server)
-            fake.health = health.aio.HealthServicer()
+            fake.health = SilentHealth(fake)
             health_pb2_grpc.add_HealthServicer_to_server(fake.health, server)
             port = server.add_insecure_port("127.0.0.1:0")
             await server.start()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import grpc
 import httpx
@@ -238,3 +239,50 @@ def test_a_decode_instance_that_left_during_the_prefill_still_answers(model_dir)
         assert result[0].status_code == 200, result[0].text
         assert result[0].json()["choices"][0]["text"] == expected(PROMPT, 4)
         assert metric(c.url, "kvcluster_retries_total", stage="decode") == 0
+
+
+def test_a_decode_instance_that_stops_answering_has_its_streams_moved_before_the_deadline(
+        model_dir):
+    """A wedged worker (its health checks unanswered twice) has its calls cancelled: the
+    stream moves on in seconds, not after the 120 s stall deadline it would wait for."""
+    with LocalConductor(model_dir, roles=("prefill", "decode", "decode"),
+                        conductor_args=("--health-interval-s", "0.2",
+                                        "--stall-timeout-s", "120")) as c:
+        gates = {}
+        for iid, w in c.workers.items():
+            if iid.startswith("decode"):
+                gates[iid] = threading.Event()
+                w.knobs = Knobs(continue_sequence=True, token_delay_s=0.01,
+                                decode_gate=gates[iid], gate_after_chunks=3)
+        out: list[httpx.Response] = []
+        t = threading.Thread(target=lambda: out.append(
+            complete(c.url, PROMPT, max_tokens=10, stream=True)))
+        t.start()
+        try:
+            wait_until(lambda: any(c.workers[i].counts.generates for i in gates), 10,
+                       interval=0.01)
+            wedged = next(i for i in gates if c.workers[i].counts.generates)
+            c.workers[wedged].health_silent = True
+            for i, gate in gates.items():
+                if i != wedged:
+                    gate.set()
+            t.join(timeout=25)
+            assert not t.is_alive(), "the stream waited for the stall deadline"
+        finally:
+            for gate in gates.values():
+                gate.set()
+            t.join(timeout=10)
+        text, _ = streamed_text(out[0])
+        assert text == expected(PROMPT, 10)
+        assert c.workers[wedged].counts.aborted == 1  # its call was cancelled
+        assert metric(c.url, "kvcluster_stream_migrations_total") == 1
+
+
+def test_chaos_counts_the_calls_moved_on_from_silent_workers():
+    from benchmarks.chaos.__main__ import silenced
+
+    log = ("x [warning  ] decode_stalled                 instance=decode-0 seconds=10.0\n"
+           "x [warning  ] instance_lost_calls_cancelled  calls=3 instance_id=decode-1 "
+           "why=DEADLINE_EXCEEDED\n")
+    assert silenced(log) == 4
+    assert silenced("x [warning  ] instance_unhealthy instance_id=decode-1 why=NOT_SERVING") == 0

@@ -22,6 +22,7 @@ clean_error, wrong, hung or lost (docs/reliability.md). The last line printed is
   chaos total=<n> ok=<n> clean_errors=<n> hung=<n> lost=<n> wrong=<n> migrated=<n>
   fallbacks=<n> stalled=<n>
 
-(one line; `stalled`: the conductor's `decode_stalled` log lines, streams it moved on after
-their inter-token deadline.)
+(one line; `stalled`: calls the conductor moved on from because their worker went silent,
+at their inter-token deadline or when its health checks went unanswered: `decode_stalled`
+and `instance_lost_calls_cancelled` in its log.)
 """

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -58,6 +59,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if a.requests < 1 or a.concurrency < 1:
         p.error("--requests and --concurrency must be positive")
     return a
+
+
+def silenced(conductor_log: str) -> int:
+    """Calls the conductor moved on from because their worker went silent: at the
+    inter-token deadline (`decode_stalled`), or cancelled when its health checks went
+    unanswered (`instance_lost_calls_cancelled calls=<n>`)."""
+    cancelled = sum(int(n) for n in re.findall(
+        r"instance_lost_calls_cancelled\W.*?\bcalls=(\d+)", conductor_log))
+    return conductor_log.count("decode_stalled") + cancelled
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.monotonic() - t_traffic
     results.sort(key=lambda r: r.index)
     log = Path(cluster_dir, "conductor.log")
-    stalled = log.read_text(errors="replace").count("decode_stalled") if log.exists() else 0
+    stalled = silenced(log.read_text(errors="replace")) if log.exists() else 0
     summary = summarize(results, chaos, metrics, args, elapsed, stalled)
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
