@@ -97,9 +97,15 @@ class Engine:
     (25.7M parameters) at ~0.4 ms a token (`make bench-e2e`'s model; 128 tokens 53 ms, 2048
     in 940 ms, one step each; chunked by 256, 2% slower in all), so vLLM's default budget
     holds every stream ~1 s whenever a 2048-token prompt arrives, ten times a 100 ms TBT SLO;
-    `STEP_TOKENS_PER_THREAD` keeps a chunk near half of that. A model ten times larger
-    prefills ten times slower per token: this is a default for the tiny models here, not a
-    measurement of the one being served."""
+    `STEP_TOKENS_PER_THREAD` keeps a chunk near half of that. Its price is one step more
+    per chunk (a few ms each here): with `make bench-serve` (2026-11-26, 2 repetitions, the
+    random dataset's 256-token prompts in two steps) TTFT p50 36.6-41.2 ms against 30.7-32.0
+    without a budget (`--step-tokens 0`), 1.49x plain vLLM against 1.22x; bench-e2e's
+    goodput on long prompts under load is what it buys (docs/benchmarks.md). vLLM's
+    `long_prefill_token_threshold` (the cap only while other requests share the engine)
+    with a budget of twice the chunk did not win it back (36 ms, 1.40x). A model ten times
+    larger prefills ten times slower per token: this is a default for the tiny models here,
+    not a measurement of the one being served."""
 
 
 @dataclass(frozen=True)
