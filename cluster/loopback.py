@@ -9,7 +9,9 @@ compiler, into the user's cache (a path named after the source's digest). Withou
 the process starts as before, its listeners wide, and the launcher says so once.
 
 Only for hosts in `LOOPBACK`: a server meant to be reached from other hosts (`deploy/`
-beyond loopback) keeps its wildcard binds.
+beyond loopback) keeps its wildcard binds. With the shim goes `MC_TCP_BIND_ADDRESS`: a
+transfer engine otherwise tells its peers to reach it at the machine's first LAN address
+(measured: eth0's 192.0.2.2 here), where nothing listens once it is bound to loopback.
 """
 
 from __future__ import annotations
@@ -67,7 +69,12 @@ def env(host: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """`base` (default: this process's environment), with the shim preloaded if `host` is a
     loopback address and the shim is available."""
     out = dict(os.environ if base is None else base)
-    lib = library() if host in LOOPBACK else None
+    if host not in LOOPBACK:
+        return out
+    # the address a transfer engine advertises to its peers: else its first LAN address
+    # (`findLocalIpAddresses`), where a loopback-bound listener cannot be reached
+    out.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    lib = library()
     if lib is not None:
         out["LD_PRELOAD"] = " ".join(p for p in (str(lib), out.get("LD_PRELOAD", "")) if p)
     return out
