@@ -215,7 +215,6 @@ def _place(roles: list[str], cores: list[int], gpus: int, reason: str,
     return Shape(tuple(engines), reason, serving)
 
 
-
 def _step_tokens(role: str, threads: int) -> int:
     """A CPU engine's step budget (`Engine.step_tokens`); prefill engines, with no streams to
     hold up, keep vLLM's larger one."""

@@ -271,11 +271,12 @@ class KVTransfer:
         if not todo:
             return self._count_save(SaveResult(0, n, 0, 0), 0, t0, generated)
         segment = pool.segment_of(near) if near is not None else None
+        ids = [block_ids[i] for i in todo]
+        objects = self._objects(ids)
         if self._sums is not None:
-            for i in todo:
-                self._sums.seal(block_ids[i], self.layout.ranges(block_ids[i]))
-        report = pool.put_from([keys[i] for i in todo],
-                               [self._object(block_ids[i]) for i in todo], segment=segment,
+            for b, obj in zip(ids, objects, strict=True):
+                self._sums.seal(b, obj[:-1])
+        report = pool.put_from([keys[i] for i in todo], objects, segment=segment,
                                fences=fences)
         result = SaveResult(report.written, n - len(todo), report.full,
                             report.failed + report.unavailable)
@@ -312,9 +313,11 @@ class KVTransfer:
         elif self._stage is not None:
             ok = self._load_staged(pool, keys, block_ids)
         else:
-            ok = pool.get_into(list(keys), [self._object(b) for b in block_ids], fences=fences)
+            objects = self._objects(block_ids)
+            ok = pool.get_into(list(keys), objects, fences=fences)
             if self._sums is not None:
-                ok = self._verified(ok, [(b, self.layout.ranges(b)) for b in block_ids],
+                ok = self._verified(ok, [(b, obj[:-1]) for b, obj in zip(block_ids, objects,
+                                                                           strict=True)],
                                     self._sums)
         loaded = sum(ok)
         seconds = time.perf_counter() - t0
@@ -328,12 +331,13 @@ class KVTransfer:
             s.load_buckets = _bucketed(s.load_buckets, seconds)
         return ok
 
-    def _object(self, block_id: int) -> list[tuple[int, int]]:
-        """The ranges of block `block_id`'s object: its pieces, then its digest slot."""
-        ranges = self.layout.ranges(block_id)
-        if self._sums is not None:
-            ranges.append(self._sums.slot(block_id))
-        return ranges
+    def _objects(self, block_ids: Sequence[int]) -> list[list[tuple[int, int]]]:
+        """Per block, the ranges of its object: its pieces, then (with checksums) its digest
+        slot, which `[:-1]` leaves out again."""
+        sums = self._sums
+        if sums is None:
+            return [self.layout.ranges(b) for b in block_ids]
+        return [[*self.layout.ranges(b), sums.slot(b)] for b in block_ids]
 
     def _verified(self, ok: list[bool], blocks: Sequence[tuple[int, list[tuple[int, int]]]],
                   sums: Digests) -> list[bool]:
