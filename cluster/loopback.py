@@ -27,15 +27,12 @@ from pathlib import Path
 
 import structlog
 
+from cluster.cache import cache_dir
 from cluster.secret import LOOPBACK
 
 log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("loopback_bind.c")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvcluster"
 
 
 @cache

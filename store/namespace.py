@@ -14,6 +14,8 @@ from pathlib import Path
 
 import xxhash
 
+from cluster.cache import cache_dir
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 CHUNK = 8 << 20
 
@@ -73,8 +75,7 @@ def weights_digest(model: str) -> str:
 
 
 def cache_file() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base, "kvcluster", "weights-digests.json")
+    return cache_dir() / "weights-digests.json"
 
 
 def _read_cache() -> dict[str, str]:
