@@ -4,59 +4,31 @@ servers, which bind every address whatever they are told, included."""
 from __future__ import annotations
 
 import ipaddress
-import os
 import subprocess
 import sys
-from pathlib import Path
+
+import psutil
 
 from cluster import loopback
 from cluster.ports import wait_for_port
 from store.master import StoreClientService, StoreMaster
 
-LISTEN = "0A"
 
-
-def _descendants(root: int) -> set[int]:
-    parent: dict[int, int] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    found, frontier = set(), {root}
-    while frontier:
-        frontier = {p for p, pp in parent.items() if pp in frontier} - found
-        found |= frontier
-    return found
-
-
-def _address(hex_addr: str) -> str:
-    raw = bytes.fromhex(hex_addr)
-    if len(raw) == 4:
-        return str(ipaddress.IPv4Address(raw[::-1]))
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))  # /proc: 32-bit words
-    return str(ipaddress.IPv6Address(words))
+def _children() -> set[int]:
+    """Every process this test process started, and theirs."""
+    return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
 def listeners(pids: set[int]) -> list[tuple[str, int, int]]:
     """(address, port, pid) of every listening TCP socket the processes `pids` hold."""
-    owner: dict[str, int] = {}
+    out = []
     for pid in pids:
         try:
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                target = os.readlink(fd)
-                if target.startswith("socket:["):
-                    owner[target[8:-1]] = pid
-        except OSError:  # gone, or not ours to read
+            conns = psutil.Process(pid).net_connections(kind="tcp")
+        except psutil.Error:  # gone meanwhile
             continue
-    out = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            cols = line.split()
-            if cols[3] == LISTEN and cols[9] in owner:
-                addr, port = cols[1].split(":")
-                out.append((_address(addr), int(port, 16), owner[cols[9]]))
+        out += [(c.laddr.ip, c.laddr.port, pid) for c in conns
+                if c.status == psutil.CONN_LISTEN]
     return out
 
 
@@ -101,7 +73,7 @@ def test_the_store_master_and_client_listen_on_loopback_only(tmp_path):
         client = StoreClientService(master, segment="64MB", log_path=tmp_path / "client.log")
         try:
             client.start()
-            found = listeners(_descendants(os.getpid()))
+            found = listeners(_children())
             ports = {p for _, p, _ in found}
             assert {master.http_port, master.rpc_port, client.port} <= ports
             assert not _wide(found), found
@@ -125,6 +97,6 @@ def test_without_the_shim_the_master_listens_on_every_address():
 def test_nothing_of_the_embedded_cluster_listens_beyond_loopback(cluster):
     """The whole cluster: etcd, the master, the workers and their engines' transfer engines
     (TCP pool, as across hosts), the conductor."""
-    found = listeners(_descendants(os.getpid()))
+    found = listeners(_children())
     assert len({pid for _, _, pid in found}) >= 5, found  # etcd, master, 2 engines, conductor
     assert not _wide(found), found

@@ -115,8 +115,7 @@ def test_cpu_engines_that_decode_prefill_in_chunks_of_a_budget_per_thread():
 def test_a_worker_refuses_cores_the_machine_lacks(model_dir, flag, capsys):
     from worker.config import parse_args
 
-    base = ["--model", model_dir, "--etcd", "127.0.0.1:1", "--pool-master", "127.0.0.1:1",
-            "--pool-metadata", "http://127.0.0.1:1/metadata"]
+    base = _worker_args(model_dir)
     assert getattr(parse_args([*base, flag, "0"], "decode"), flag[2:].replace("-", "_")) == "0"
     with pytest.raises(SystemExit):
         parse_args([*base, flag, "4096"], "decode")
@@ -126,10 +125,15 @@ def test_a_worker_refuses_cores_the_machine_lacks(model_dir, flag, capsys):
 def test_a_worker_refuses_a_step_budget_below_a_block(model_dir, capsys):
     from worker.config import parse_args
 
-    base = ["--model", model_dir, "--etcd", "127.0.0.1:1", "--pool-master", "127.0.0.1:1",
-            "--pool-metadata", "http://127.0.0.1:1/metadata"]
+    base = _worker_args(model_dir)
     assert parse_args([*base, "--max-num-batched-tokens", "128"], "decode") \
         .max_num_batched_tokens == 128
     with pytest.raises(SystemExit):
         parse_args([*base, "--max-num-batched-tokens", "16"], "decode")
     assert "at least block_size (32), got 16" in capsys.readouterr().err
+
+
+def _worker_args(model_dir: str) -> list[str]:
+    """The flags a worker cannot start without (nothing is reached: only parsed)."""
+    return ["--model", model_dir, "--etcd", "127.0.0.1:1", "--pool-master", "127.0.0.1:1",
+            "--pool-metadata", "http://127.0.0.1:1/metadata"]
