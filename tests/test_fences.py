@@ -77,6 +77,31 @@ def test_a_load_given_up_on_holds_its_blocks_until_the_late_write_is_done():
         side.shutdown()
 
 
+def test_a_load_given_up_on_in_the_step_its_request_is_aborted_reports_once_done():
+    """vLLM frees an aborted request's blocks as soon as its load reports (`finished_recving`),
+    whatever the scheduler side says: the report waits for the late write."""
+    pool = InMemoryPool()
+    _pooled(pool, "k")
+    late = pool.late = threading.Event()
+    side, layers = _worker(pool)
+    try:
+        side.start_load_kv(PoolConnectorMetadata(loads=[LoadJob("A", ("k",), (1,))]))
+        wait_until(lambda: side.fences.held("A"), 5)  # the loader gave up on its read ...
+        # ... and in the step that takes its result, the request is aborted
+        side.start_load_kv(PoolConnectorMetadata(cancelled={"A"}))
+        for _ in range(3):
+            assert _finished(side, {"A"}) == (set(), set())
+        assert float(layers[0][1].max()) == 0.0
+        late.set()
+        wait_until(lambda: float(layers[0][1].min()) == PATTERN, 5)
+        received: set[str] = set()
+        wait_until(lambda: received.update(_finished(side, set())[1]) or "A" in received, 5)
+        assert _finished(side, set()) == (set(), set())  # reported once, never as a save
+    finally:
+        late.set()
+        side.shutdown()
+
+
 def test_a_save_given_up_on_holds_its_blocks_until_the_late_read_is_done():
     """Freed too early, the block's next owner's KV would be stored under this key."""
     pool = InMemoryPool()

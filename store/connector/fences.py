@@ -5,9 +5,10 @@ memory vLLM gave to another request. The worker side reports a fenced request fi
 then; each call releases its requests from the thread that ran it.
 
 A late load writes the pool's bytes for the same keys (the same tokens under the same
-namespace) into blocks the request is recomputing: the KV it would have loaded. The one gap:
-a request aborted in the very step its load gave up has its blocks freed by vLLM when that
-load reports (vLLM frees a finished request's blocks on `finished_recving`).
+namespace) into blocks the request is recomputing: the KV it would have loaded. vLLM frees
+an aborted request's blocks as soon as its load reports (`finished_recving`), so a load given
+up on whose request was aborted before it reported is reported only once its calls are done
+(`store.connector.worker.WorkerSide.get_finished`).
 """
 
 from __future__ import annotations

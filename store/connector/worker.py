@@ -37,6 +37,11 @@ class WorkerSide:
         self.fences = RequestFences()
         self._fenced: set[str] = set()
         """Requests whose load reported `fenced`: the scheduler side delays freeing them."""
+        self._cancelled: set[str] = set()
+        """Requests aborted while their load ran whose load has not reported yet."""
+        self._withheld: set[str] = set()
+        """Of those, the ones whose load the pool gave up on: vLLM frees an aborted request's
+        blocks when its load reports, so it reports only once no given-up call can write."""
         self._finishing: set[str] = set()
         self._invalid: set[int] = set()
         self._loads: dict = {}
@@ -72,6 +77,7 @@ class WorkerSide:
         """Hand this step's loads to the loader (after the forward pass was launched)."""
         if self.loader is None:
             return
+        self._cancelled |= meta.cancelled
         self.loader.cancel(meta.cancelled)
         self.loader.submit(meta.loads)
 
@@ -116,8 +122,15 @@ class WorkerSide:
             if loads:
                 self._loads.update(loads)
                 self._invalid |= invalid
-                self._fenced.update(r for r, result in loads.items() if result.fenced)
-                received = set(loads)
+                for rid, result in loads.items():
+                    if rid in self._cancelled and result.fenced:
+                        self._withheld.add(rid)
+                    elif result.fenced:
+                        self._fenced.add(rid)
+                self._cancelled -= loads.keys()
+            safe = {r for r in self._withheld if not self.fences.held(r)}
+            self._withheld -= safe
+            received = (loads.keys() - self._withheld) | safe or None
         return sent, received
 
     def invalid_blocks(self) -> set[int]:
