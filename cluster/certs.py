@@ -1,4 +1,5 @@
-"""TLS material for a cluster's etcd: a private CA, a server certificate, a client certificate.
+"""TLS material for a cluster's etcd or its worker plane: a private CA, a server certificate, a
+client certificate.
 
 `python -m cluster.certs --out DIR --host 10.0.0.1 [--host etcd.internal]` writes
 `ca.pem`, `server.pem`/`server-key.pem` (valid for every `--host`, IP or DNS name) and
@@ -10,6 +11,8 @@ back). The server pair also carries the client-auth usage: etcd 3.5's HTTP gatew
 etcd itself with it under `--client-cert-auth`.
 `deploy/etcd.sh` runs it when TLS is turned on; an operator with a real PKI brings their own
 files instead. Every node needs `ca.pem` and the client pair; only etcd's node the server pair.
+For the worker plane (`cluster.plane_tls`), `--host kvcluster-worker --name kvcluster-worker`:
+a server pair every worker shares, the client pair the conductor's.
 """
 
 from __future__ import annotations
@@ -85,8 +88,9 @@ def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
                              serialization.NoEncryption())
 
 
-def make_certs(out: str | Path, hosts: list[str]) -> CertFiles:
-    """A CA and the server (for `hosts`) and client pairs in `out`; kept if already there."""
+def make_certs(out: str | Path, hosts: list[str], name: str = "kvcluster-etcd") -> CertFiles:
+    """A CA and the server (for `hosts`, its subject `name`) and client pairs in `out`; kept
+    if already there."""
     if not hosts:
         raise ValueError("at least one host (the address etcd's clients dial)")
     out = Path(out)
@@ -97,7 +101,7 @@ def make_certs(out: str | Path, hosts: list[str]) -> CertFiles:
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = _issue("kvcluster-ca", ca_key, _name("kvcluster-ca"), ca_key, ca=True)
     for subject, cert_path, key_path, names, usage in (
-            ("kvcluster-etcd", files.server_cert, files.server_key, tuple(hosts),
+            (name, files.server_cert, files.server_key, tuple(hosts),
              (ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH)),
             ("kvcluster-node", files.client_cert, files.client_key, (),
              (ExtendedKeyUsageOID.CLIENT_AUTH,))):
@@ -113,10 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory for the PEM files")
     parser.add_argument("--host", action="append", required=True,
-                        help="an address or name etcd is dialled at (repeatable)")
+                        help="an address or name the server is dialled at (repeatable)")
+    parser.add_argument("--name", default="kvcluster-etcd",
+                        help="the server certificate's subject (kvcluster-etcd)")
     args = parser.parse_args(argv)
-    files = make_certs(args.out, args.host)
-    print(f"etcd TLS material in {files.ca.parent}", flush=True)
+    files = make_certs(args.out, args.host, args.name)
+    print(f"TLS material for {args.name} in {files.ca.parent}", flush=True)
     return 0
 
 

@@ -14,8 +14,8 @@ from it and a worker's registered address (`host:port`) each side derives:
   an address registered in etcd by someone without the secret never gets a prompt.
 
 Not covered: the gRPC health service stays open (it says SERVING or not, nothing else), and
-without TLS on the wire a token can be read off the network together with the prompts it
-carries; across untrusted networks run the plane over TLS or a private network.
+without TLS on the wire (`cluster.plane_tls`) a token can be read off the network together
+with the prompts it carries.
 """
 
 from __future__ import annotations

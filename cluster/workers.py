@@ -40,6 +40,8 @@ class WorkerSpec(EngineSpec):
     python: str = sys.executable
     secret_file: str = ""
     """The cluster secret every worker is started with (`cluster.secret`); "": none."""
+    tls_dir: str = ""
+    """The worker plane's TLS files every worker serves with (`cluster.plane_tls`); "": none."""
     machine_cpus: str = ""
     """Where an engine without cores of its own (unplaced: `ResizePool`, tests) computes when
     the worker is started from a process kept to the serving cores; "": where it starts."""
@@ -87,6 +89,8 @@ class WorkerSpec(EngineSpec):
             argv += ["--max-num-batched-tokens", str(placement.step_tokens)]
         if self.secret_file:
             argv += ["--secret-file", self.secret_file]
+        if self.tls_dir:
+            argv += ["--tls-dir", self.tls_dir]
         if self.pool_store_client:
             argv += ["--pool-store-client", self.pool_store_client,
                      "--pool-store-client-segment", self.pool_store_client_segment]

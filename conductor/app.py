@@ -85,7 +85,7 @@ class Conductor:
     def __init__(self, config: ConductorConfig,
                  membership: Callable[[Callable], Membership] | None = None) -> None:
         self.config = config
-        self.registry = Registry(config.cluster_secret)
+        self.registry = Registry(config.cluster_secret, config.tls)
         self.tokenizer = Tokenizer(config.model)
         self.chat_template = ChatTemplate(self.tokenizer.hf)
         self.defaults = ModelDefaults.load(config.model)

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, fields
 
 from cluster.etcd_access import EtcdAccess
+from cluster.plane_tls import PlaneTLS
 from cluster.secret import LOOPBACK, ClusterSecret
 from conductor.auth import load_api_keys
 from conductor.scheduler.policy import DEFAULT_POLICY
@@ -82,6 +83,9 @@ class ConductorConfig:
     same secret. Empty: the worker plane is open (loopback-only clusters)."""
     etcd_access_file: str = ""
     """etcd's TLS material and user (`cluster.etcd_access`, a TOML file); empty: plain etcd."""
+    tls_dir: str = ""
+    """Call the workers over mutual TLS with the files here (`cluster.plane_tls`; the workers
+    need the same directory). Empty: plaintext."""
     embedded_workers: str = ""
     """Embedded mode: a `cluster.workers.WorkerSpec` JSON file; ResizePool then starts worker
     processes on this machine. Empty: a deployed cluster (drain and switch only)."""
@@ -121,6 +125,10 @@ class ConductorConfig:
     @property
     def cluster_secret(self) -> ClusterSecret | None:
         return self._secret  # type: ignore[attr-defined]
+
+    @property
+    def tls(self) -> PlaneTLS | None:
+        return self._tls  # type: ignore[attr-defined]
 
     @property
     def etcd_access(self) -> EtcdAccess:
@@ -166,6 +174,7 @@ class ConductorConfig:
             raise ValueError("an admin API reachable beyond loopback needs an admin token "
                              "(admin_token_file)")
         object.__setattr__(self, "_secret", ClusterSecret.load(self.secret_file))
+        object.__setattr__(self, "_tls", PlaneTLS.load(self.tls_dir, "client"))
         object.__setattr__(self, "_etcd_access", EtcdAccess.load(self.etcd,
                                                                  self.etcd_access_file))
         object.__setattr__(self, "_keys", load_api_keys(self.api_keys_file, self.api_key))

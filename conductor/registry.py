@@ -16,6 +16,7 @@ import structlog
 
 from cluster import keepalive
 from cluster.instance import InstanceInfo, cpu_list
+from cluster.plane_tls import PlaneTLS, aio_channel
 from cluster.resilience import Breaker
 from cluster.secret import ClusterSecret, bind
 from conductor.scheduler.load import LoadState
@@ -114,9 +115,12 @@ class PerInstance:
 
 
 class Registry:
-    def __init__(self, secret: ClusterSecret | None = None) -> None:
+    def __init__(self, secret: ClusterSecret | None = None, tls: PlaneTLS | None = None
+                 ) -> None:
         self.secret = secret
         """The cluster secret: every worker stub carries its instance's token."""
+        self.tls = tls
+        """The worker plane's TLS (`cluster.plane_tls`): None, plaintext channels."""
         self._instances: dict[str, Instance] = {}
         self._listeners: list[RegistryListener] = []
         self._snap: ClusterSnapshot | None = None
@@ -138,7 +142,7 @@ class Registry:
                 self._leave(iid)
         for iid, info in members.items():
             if iid not in self._instances:
-                channel = grpc.aio.insecure_channel(info.address, options=keepalive.CLIENT)
+                channel = aio_channel(info.address, self.tls, keepalive.CLIENT)
                 load = LoadState(iid, info.role, info.block_size, info.capacity_tokens)
                 load.host, load.threads = info.host, info.threads
                 load.cores, load.gpus = cpu_list(info.cpus), cpu_list(info.gpus)

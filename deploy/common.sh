@@ -19,6 +19,11 @@
 #                            the file exists; deploy/etcd.sh writes it (with
 #                            KVCLUSTER_ETCD_SECURE=1): copy its directory to every other node
 #                            ($KVCLUSTER_STATE_DIR/etcd-access/access.toml)
+#   KVCLUSTER_WORKER_TLS     1: the conductor's calls to the workers over mutual TLS; the
+#                            conductor's node makes the certificates when missing (0)
+#   KVCLUSTER_WORKER_TLS_DIR the worker plane's TLS files (`cluster/plane_tls.py`), used when
+#                            the directory exists: copy it to every worker node
+#                            ($KVCLUSTER_STATE_DIR/worker-tls)
 #
 # Every script is safe to re-run: a service whose pid file names a live process is left alone
 # (exit 0); a stale pid file is removed and the service started again. deploy/stop.sh stops
@@ -42,6 +47,7 @@ POOL_METADATA="${KVCLUSTER_POOL_METADATA:-http://127.0.0.1:8080/metadata}"
 MODEL="${KVCLUSTER_MODEL:-}"
 SECRET_FILE="${KVCLUSTER_SECRET_FILE:-$STATE_DIR/cluster.secret}"
 ETCD_ACCESS="${KVCLUSTER_ETCD_ACCESS:-$STATE_DIR/etcd-access/access.toml}"
+WORKER_TLS_DIR="${KVCLUSTER_WORKER_TLS_DIR:-$STATE_DIR/worker-tls}"
 mkdir -p "$LOG_DIR" "$STATE_DIR"
 
 # The cluster secret (`cluster/secret.py`), never on a command line. $1 = "make": create it
@@ -68,6 +74,21 @@ etcd_access() {
   elif [ -n "${KVCLUSTER_ETCD_ACCESS:-}" ]; then
     echo "KVCLUSTER_ETCD_ACCESS names no file: $ETCD_ACCESS" >&2; exit 1
   fi
+}
+
+# Export the worker plane's TLS directory as the setting $1 (e.g. KVCLUSTER_WORKER_TLS_DIR)
+# when there is one. $2 = "make": create it when missing and KVCLUSTER_WORKER_TLS=1 (the
+# conductor's node); elsewhere KVCLUSTER_WORKER_TLS=1 without it is an error.
+worker_tls() {
+  if [ ! -f "$WORKER_TLS_DIR/ca.pem" ] && [ "${KVCLUSTER_WORKER_TLS:-0}" = 1 ]; then
+    if [ "${2:-}" != make ]; then
+      echo "no worker-plane TLS at $WORKER_TLS_DIR: copy it from the conductor's node" \
+           "(KVCLUSTER_WORKER_TLS_DIR)" >&2; exit 1
+    fi
+    "$PY" -m cluster.certs --out "$WORKER_TLS_DIR" --host kvcluster-worker \
+      --name kvcluster-worker
+  fi
+  if [ -f "$WORKER_TLS_DIR/ca.pem" ]; then export "$1=$WORKER_TLS_DIR"; fi
 }
 
 # Check the venv and resolve MODEL (building the tiny model when none is given).

@@ -12,6 +12,9 @@
 #   KVCLUSTER_MODEL            the tokenizer's model directory, as on the workers
 #   KVCLUSTER_SECRET_FILE      the cluster secret, made when missing; copy it to every
 #                              worker node                    ($KVCLUSTER_STATE_DIR/cluster.secret)
+#   KVCLUSTER_WORKER_TLS       1: call the workers over mutual TLS; makes the plane's CA and
+#                              certificates when missing: copy that directory to every
+#                              worker node                   ($KVCLUSTER_STATE_DIR/worker-tls)
 # Any other conductor setting passes through as KVCLUSTER_CONDUCTOR_<FIELD> (see
 # `python -m conductor --help`), e.g. KVCLUSTER_CONDUCTOR_POLICY, KVCLUSTER_CONDUCTOR_API_KEY.
 # Shared settings: deploy/common.sh.
@@ -33,6 +36,7 @@ export KVCLUSTER_CONDUCTOR_ADMIN_TOKEN_FILE="$TOKEN_FILE"
 need_secret make
 export KVCLUSTER_CONDUCTOR_SECRET_FILE="$SECRET_FILE"
 etcd_access KVCLUSTER_CONDUCTOR_ETCD_ACCESS_FILE
+worker_tls KVCLUSTER_CONDUCTOR_TLS_DIR make
 export KVCLUSTER_CONDUCTOR_ADMIN_HOST="$ADMIN_HOST"
 export KVCLUSTER_CONDUCTOR_ADMIN_PORT="$ADMIN_PORT"
 

@@ -15,6 +15,8 @@
 #   KVCLUSTER_ETCD, KVCLUSTER_POOL_MASTER, KVCLUSTER_POOL_METADATA: node A's services
 #   KVCLUSTER_MODEL           model directory, the same on every node
 #   KVCLUSTER_SECRET_FILE     the cluster secret, a copy of the conductor node's (common.sh)
+#   KVCLUSTER_WORKER_TLS_DIR  the worker plane's TLS files, a copy of the conductor node's:
+#                             the worker then serves mutual TLS only (common.sh)
 # Other worker settings pass through as KVCLUSTER_WORKER_<FIELD> (see
 # `python -m prefill_worker --help`), e.g. KVCLUSTER_WORKER_DEVICE=cuda. VLLM_* pass to vLLM
 # (VLLM_CPU_OMP_THREADS_BIND defaults to nobind, as in `make run`).
@@ -24,6 +26,7 @@ need_model
 need_secret
 export KVCLUSTER_WORKER_SECRET_FILE="$SECRET_FILE"
 etcd_access KVCLUSTER_WORKER_ETCD_ACCESS_FILE
+worker_tls KVCLUSTER_WORKER_TLS_DIR
 ID="${KVCLUSTER_INSTANCE_ID:-$(hostname)-prefill}"
 export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-nobind}"
 start_once "$ID" "$PY" -m prefill_worker --model "$MODEL" --etcd "$ETCD" \

@@ -25,10 +25,11 @@ import grpc
 import httpx
 import structlog
 
-from cluster import shape
+from cluster import plane_tls, shape
 from cluster.engine_spec import EngineSpec
 from cluster.etcd_server import EtcdServer
 from cluster.instance import cpu_list, format_cpu_list
+from cluster.plane_tls import PlaneTLS
 from cluster.ports import free_port
 from cluster.process import ManagedProcess, children_on
 from cluster.secret import ClusterSecret, bind
@@ -73,6 +74,9 @@ class ClusterSpec(EngineSpec):
     admin_port: int = 0
     """The conductor's admin API on 127.0.0.1 (token in `<run_dir>/admin.token`); 0 picks a
     free port, -1 turns it off."""
+    worker_tls: bool = False
+    """The worker plane over mutual TLS (`cluster.plane_tls`; files made in
+    `<run_dir>/worker-tls`). Off: plaintext, on loopback."""
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 0 or self.both < 0:
@@ -152,11 +156,22 @@ class EmbeddedCluster:
         """The cluster secret of this run (`cluster.secret`), made at start."""
         return self.run_dir / "cluster.secret"
 
+    @property
+    def tls_dir(self) -> Path | None:
+        """The worker plane's TLS files of this run (`cluster.plane_tls`), if it has TLS."""
+        return self.run_dir / "worker-tls" if self.spec.worker_tls else None
+
+    def worker_channel(self, address: str, tls: bool = True) -> grpc.Channel:
+        """A blocking channel to the worker at `address`, as the conductor dials it (`tls`
+        False: plaintext whatever the plane uses)."""
+        tls_dir = self.tls_dir if tls else None
+        return plane_tls.channel(address, PlaneTLS.load(str(tls_dir or ""), "client"))
+
     def worker_stub(self, address: str, channel: grpc.Channel | None = None
                     ) -> worker_pb2_grpc.WorkerStub:
-        """A client of the worker at `address` (on `channel`, else a new blocking one)
-        whose calls carry that worker's token."""
-        stub = worker_pb2_grpc.WorkerStub(channel or grpc.insecure_channel(address))
+        """A client of the worker at `address` (on `channel`, else a new one as the conductor
+        dials it) whose calls carry that worker's token."""
+        stub = worker_pb2_grpc.WorkerStub(channel or self.worker_channel(address))
         secret = ClusterSecret.load(str(self.secret_file))
         return bind(stub, secret.metadata(address)) if secret else stub
 
@@ -169,7 +184,8 @@ class EmbeddedCluster:
                           pool_store_client=sc.address if sc else "",
                           pool_store_client_segment=sc.segment_name if sc else "",
                           env=s.worker_env, **s.engine_kwargs(),
-                          secret_file=str(self.secret_file), machine_cpus=self._machine_cpus)
+                          secret_file=str(self.secret_file), machine_cpus=self._machine_cpus,
+                          tls_dir=str(self.tls_dir or ""))
 
     # -------------------------------------------------------------- start / stop
 
@@ -192,6 +208,8 @@ class EmbeddedCluster:
     def _start_children(self) -> None:
         s = self.spec
         ClusterSecret.create(self.secret_file)
+        if self.tls_dir is not None:
+            plane_tls.make(self.tls_dir)
         self.etcd = EtcdServer(client_port=s.etcd_port or None,
                                data_dir=self.run_dir / "etcd",
                                log_path=self.run_dir / "etcd.log").start()
@@ -239,6 +257,8 @@ class EmbeddedCluster:
             argv += ["--pool-keys-url", self.master.metrics_url.rsplit("/", 1)[0]]
         env = dict(os.environ)
         env["KVCLUSTER_CONDUCTOR_SECRET_FILE"] = str(self.secret_file)
+        if self.tls_dir is not None:
+            env["KVCLUSTER_CONDUCTOR_TLS_DIR"] = str(self.tls_dir)
         if s.admin_port >= 0:
             self.admin_port = self.admin_port or s.admin_port or free_port()
             if not self.admin_token:
@@ -360,6 +380,10 @@ def parser() -> argparse.ArgumentParser:
                    default=os.environ.get("KVCLUSTER_POOL", "shm"),
                    help="the pool's transport: one mooncake_client's shared memory (memcpy; "
                    "the default on one host) or each engine's TCP segment (as across hosts)")
+    p.add_argument("--worker-tls", action="store_true",
+                   default=os.environ.get("KVCLUSTER_WORKER_TLS", "") == "1",
+                   help="the conductor's calls to the workers over mutual TLS (certificates "
+                   "made in <run-dir>/worker-tls)")
     return p
 
 
@@ -381,7 +405,7 @@ def spec_from_args(argv: list[str] | None = None) -> ClusterSpec:
                        block_size=a.block_size, max_model_len=a.max_model_len,
                        admin_port=a.admin_port, pool_shm=a.pool == "shm", policy=a.policy,
                        conductor_args=("--disaggregate", a.disaggregate),
-                       enforce_eager=a.eager)
+                       enforce_eager=a.eager, worker_tls=a.worker_tls)
 
 
 def _gpus() -> int:

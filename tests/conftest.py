@@ -138,7 +138,8 @@ def cluster(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
                        block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, dtype=DTYPE,
                        kv_cache_bytes=256 << 20, pool_segment_bytes=256 << 20,
                        lease_ttl=LEASE_TTL, conductor_args=("--disaggregate", "always"),
-                       pool_shm=False)  # Mooncake's TCP transport, as across hosts
+                       pool_shm=False,  # Mooncake's TCP transport, as across hosts
+                       worker_tls=True)  # and the worker plane over mutual TLS
     c = EmbeddedCluster(spec)
     c.start(timeout=300)
     yield c

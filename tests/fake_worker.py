@@ -18,7 +18,9 @@ import grpc
 import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from cluster import plane_tls
 from cluster.instance import InstanceInfo
+from cluster.plane_tls import PlaneTLS
 from cluster.secret import ClusterSecret, RequireToken
 from protos import worker_pb2, worker_pb2_grpc
 
@@ -271,8 +273,10 @@ class LocalConductor:
     def __init__(self, model_dir: str, roles: tuple[str, ...] = ("prefill", "decode"),
                  knobs: Knobs | None = None, conductor_args: tuple[str, ...] = (),
                  max_model_len: int = 0, secret_file: str = "",
-                 impostors: tuple[str, ...] = ()) -> None:
+                 impostors: tuple[str, ...] = (), tls_dir: str = "") -> None:
         self.model_dir = model_dir
+        self.tls_dir = tls_dir
+        """The worker plane's TLS files (`cluster.plane_tls`): workers serve TLS only."""
         self.secret_file = secret_file
         """A cluster secret (`cluster.secret`) the conductor and the workers hold, except
         `impostors` (instance ids), which serve every call and prove nothing."""
@@ -337,6 +341,7 @@ class LocalConductor:
         seen: dict[str, int] = {}
         pool = FakePool()
         secret = ClusterSecret.load(self.secret_file)
+        tls = PlaneTLS.load(self.tls_dir, "server")
         for role in self.roles:
             iid = f"{role}-{seen.setdefault(role, 0)}"
             seen[role] += 1
@@ -346,7 +351,7 @@ class LocalConductor:
             worker_pb2_grpc.add_WorkerServicer_to_server(fake, server)
             fake.health = SilentHealth(fake)
             health_pb2_grpc.add_HealthServicer_to_server(fake.health, server)
-            port = server.add_insecure_port("127.0.0.1:0")
+            port = plane_tls.bind(server, "127.0.0.1:0", tls)
             await server.start()
             await fake.health.set("kvcluster.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
             servers.append(server)
@@ -358,7 +363,8 @@ class LocalConductor:
                                         version="test", max_model_len=self.max_model_len)
         config = parse_args(["--model", self.model_dir, "--etcd", "127.0.0.1:1",
                              "--port", str(self.port), "--kv-events", "false",
-                             "--secret-file", self.secret_file, *self.conductor_args])
+                             "--secret-file", self.secret_file, "--tls-dir", self.tls_dir,
+                             *self.conductor_args])
         app = self.app = create_app(config,
                                     membership=lambda on_change: StaticMembership(members))
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,

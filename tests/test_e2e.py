@@ -316,9 +316,10 @@ def test_pool_counters_reach_the_conductors_metrics(cluster):
 
 
 def test_a_real_worker_refuses_calls_without_the_cluster_token(cluster):
-    """The embedded cluster's workers hold a secret: a call without their token (or with
-    another worker's) is UNAUTHENTICATED and changes nothing: a refused Generate starts no
-    request, a refused Retire leaves the worker registered and serving."""
+    """The embedded cluster's workers hold a secret and serve mutual TLS: a call without their
+    token (or with another worker's) is UNAUTHENTICATED, one in plaintext does not connect,
+    and neither changes anything: a refused Generate starts no request, a refused Retire
+    leaves the worker registered and serving."""
     target, other = list(cluster.workers.values())[:2]
     calls = (lambda s: s.Retire(worker_pb2.RetireRequest(reason="x"), timeout=10),
              lambda s: s.Stats(worker_pb2.StatsRequest(), timeout=10),
@@ -326,7 +327,12 @@ def test_a_real_worker_refuses_calls_without_the_cluster_token(cluster):
              lambda s: list(s.Generate(worker_pb2.GenerateRequest(
                  request_id=f"auth-{uuid.uuid4().hex}", token_ids=[5] * 40,
                  params=worker_pb2.SamplingParams(max_tokens=4)), timeout=10)))
-    with grpc.insecure_channel(target.address) as ch:
+    with cluster.worker_channel(target.address, tls=False) as plain:
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as e:
+                call(cluster.worker_stub(target.address, plain))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    with cluster.worker_channel(target.address) as ch:
         authed = cluster.worker_stub(target.address, ch)
         before = authed.Stats(worker_pb2.StatsRequest(), timeout=10)
         for stub in (worker_pb2_grpc.WorkerStub(ch), cluster.worker_stub(other.address, ch)):

@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 
-import grpc
 import httpx
 import pytest
 from conftest import BLOCK_SIZE, DTYPE, LEASE_TTL, MAX_MODEL_LEN, wait_until
@@ -108,7 +107,7 @@ def _at(record: dict) -> float:
 def _engine_cache(c: EmbeddedCluster, instance_id: str) -> set[int]:
     """What an engine caches, as its KvEvents stream's opening reset tells a subscriber."""
     address = c.workers[instance_id].address
-    with grpc.insecure_channel(address) as ch:
+    with c.worker_channel(address) as ch:
         call = c.worker_stub(address, ch).KvEvents(worker_pb2.KvEventsRequest(), timeout=10)
         first = next(call)
         call.cancel()

@@ -11,6 +11,8 @@ import pytest
 from conftest import wait_until
 from fake_worker import LocalConductor
 
+from cluster import plane_tls
+from cluster.plane_tls import PlaneTLS
 from cluster.secret import ClusterSecret, bind
 from protos import worker_pb2, worker_pb2_grpc
 
@@ -103,3 +105,63 @@ def test_a_worker_reachable_beyond_loopback_needs_a_secret(model_dir, secret_fil
     config = parse_args([*base, "--host", "0.0.0.0", "--secret-file", secret_file], "decode")
     assert config.cluster_secret is not None
     assert parse_args(base, "decode").cluster_secret is None
+
+
+def _stats(address: str, tls: PlaneTLS | None, secret: ClusterSecret) -> None:
+    with plane_tls.channel(address, tls) as ch:
+        stub = bind(worker_pb2_grpc.WorkerStub(ch), secret.metadata(address))
+        stub.Stats(worker_pb2.StatsRequest(), timeout=5)
+
+
+def test_over_mutual_tls_the_conductor_serves_and_nobody_without_the_planes_pair_gets_in(
+        model_dir, secret_file, tmp_path):
+    """Workers serving TLS (`cluster.plane_tls`): the conductor dials them with its client
+    certificate and serves; plaintext, a client without a certificate, or one whose pair
+    another CA signed never reach a servicer, even holding the secret's token."""
+    tls_dir = str(plane_tls.make(tmp_path / "tls"))
+    stranger = str(plane_tls.make(tmp_path / "other"))
+    with LocalConductor(model_dir, secret_file=secret_file, tls_dir=tls_dir,
+                        conductor_args=("--disaggregate", "always")) as c:
+        registry = c.app.state.conductor.registry
+        for iid in ("prefill-0", "decode-0"):
+            wait_until(lambda iid=iid: registry.get(iid).state == "serving", 10)
+        _served(c, 3)
+        assert c.workers["decode-0"].counts.generates == 3
+        secret = ClusterSecret.load(secret_file)
+        assert secret is not None
+        address = c.addresses["prefill-0"]
+        _stats(address, PlaneTLS.load(tls_dir, "client"), secret)  # the conductor's pair
+        ca_only = PlaneTLS.load(tls_dir, "client")
+        assert ca_only is not None
+        no_pair = grpc.ssl_channel_credentials(ca_only.ca)
+        for attempt in ("plain", "no client certificate", "another CA's pair"):
+            with pytest.raises(grpc.RpcError) as e:
+                if attempt == "plain":
+                    _stats(address, None, secret)
+                elif attempt == "another CA's pair":
+                    _stats(address, PlaneTLS.load(stranger, "client"), secret)
+                else:
+                    with grpc.secure_channel(address, no_pair,
+                                             options=plane_tls.CHANNEL_OPTIONS) as ch:
+                        bind(worker_pb2_grpc.WorkerStub(ch), secret.metadata(address)).Stats(
+                            worker_pb2.StatsRequest(), timeout=5)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE, attempt
+        assert c.workers["prefill-0"].counts.prefills == 3  # nothing else ran
+
+
+def test_a_worker_plane_tls_directory_must_hold_its_sides_files(tmp_path, model_dir):
+    from worker.config import parse_args
+
+    assert PlaneTLS.load("", "server") is None
+    tls_dir = plane_tls.make(tmp_path / "tls")
+    assert plane_tls.make(tls_dir) == tls_dir  # an existing set is kept
+    assert PlaneTLS.load(str(tls_dir), "server") is not None
+    (tls_dir / "client-key.pem").unlink()
+    assert PlaneTLS.load(str(tls_dir), "server") is not None  # a worker needs no client pair
+    with pytest.raises(ValueError, match="client-key.pem"):
+        PlaneTLS.load(str(tls_dir), "client")
+    base = ["--model", model_dir, "--etcd", "127.0.0.1:1", "--pool-master", "127.0.0.1:1",
+            "--pool-metadata", "http://127.0.0.1:1/metadata"]
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--tls-dir", str(tmp_path / "none")], "decode")
+    assert parse_args([*base, "--tls-dir", str(tls_dir)], "decode").tls is not None

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 
 from cluster.etcd_access import EtcdAccess
 from cluster.instance import cpu_list
+from cluster.plane_tls import PlaneTLS
 from cluster.secret import LOOPBACK, ClusterSecret
 
 ROLES = ("prefill", "decode", "both")
@@ -82,6 +83,9 @@ class WorkerConfig:
     carry the token derived from it. Required when the worker binds beyond loopback."""
     etcd_access_file: str = ""
     """etcd's TLS material and user (`cluster.etcd_access`, a TOML file); empty: plain etcd."""
+    tls_dir: str = ""
+    """Serve the worker plane over mutual TLS with the files here (`cluster.plane_tls`):
+    only a conductor holding the plane's client certificate gets through. Empty: plaintext."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -107,6 +111,7 @@ class WorkerConfig:
             if cpus and not cpu_list(cpus) <= set(range(os.cpu_count() or 1)):
                 raise ValueError(f"{name}: no such cores here: {cpus!r}")
         object.__setattr__(self, "_secret", ClusterSecret.load(self.secret_file))
+        object.__setattr__(self, "_tls", PlaneTLS.load(self.tls_dir, "server"))
         object.__setattr__(self, "_etcd_access", EtcdAccess.load(self.etcd,
                                                                  self.etcd_access_file))
         if self.cluster_secret is None and self.host not in LOOPBACK:
@@ -125,6 +130,10 @@ class WorkerConfig:
     @property
     def cluster_secret(self) -> ClusterSecret | None:
         return self._secret  # type: ignore[attr-defined]
+
+    @property
+    def tls(self) -> PlaneTLS | None:
+        return self._tls  # type: ignore[attr-defined]
 
     @property
     def etcd_access(self) -> EtcdAccess:

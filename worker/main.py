@@ -12,10 +12,11 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cluster import keepalive
+from cluster import keepalive, plane_tls
 from cluster.instance import InstanceInfo, cpu_list, format_cpu_list
 from cluster.logging import configure
 from cluster.membership import Registration
+from cluster.plane_tls import PlaneTLS
 from cluster.secret import RequireToken
 from protos import worker_pb2_grpc
 from worker.config import WorkerConfig, parse_args
@@ -43,7 +44,7 @@ async def serve(config: WorkerConfig) -> bool:
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = _bind(server, config.host, config.port)
+    port = _bind(server, config.host, config.port, config.tls)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("kvcluster.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
@@ -66,7 +67,8 @@ async def serve(config: WorkerConfig) -> bool:
     registration = Registration(config.etcd_access, info, ttl=max(2, round(config.lease_ttl)))
     await registration.start()
     log.info("worker_ready", instance_id=config.instance_id, role=config.role,
-             address=info.address, authenticated=secret is not None)
+             address=info.address, authenticated=secret is not None,
+             tls=config.tls is not None)
     print(f"READY {config.instance_id} {info.address}", flush=True)
 
     stop = asyncio.Event()
@@ -88,17 +90,18 @@ async def serve(config: WorkerConfig) -> bool:
     return dead is None
 
 
-def _bind(server: grpc.aio.Server, host: str, port: int) -> int:
+def _bind(server: grpc.aio.Server, host: str, port: int, tls: PlaneTLS | None = None
+          ) -> int:
     """Listen on `port`, or on one the kernel picks when another process took it while the
     engine loaded (a launcher picks the port free ~40 s before the worker binds it): the
     worker registers and prints (`READY`) the port it got, so nothing is lost."""
     try:
-        got = server.add_insecure_port(f"{host}:{port}")
+        got = plane_tls.bind(server, f"{host}:{port}", tls)
     except RuntimeError:  # grpcio raises where older releases returned 0
         got = 0
     if got == 0 and port != 0:
         log.warning("port_taken", port=port)
-        got = server.add_insecure_port(f"{host}:0")
+        got = plane_tls.bind(server, f"{host}:0", tls)
     if got == 0:
         raise RuntimeError(f"cannot listen on {host}")
     return got

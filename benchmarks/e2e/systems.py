@@ -143,7 +143,7 @@ def ours(name: str, policy: str, e: Engines, run_dir: Path, ttft_slo_s: float,
     except BaseException:
         c.stop()
         raise
-    channels = {iid: grpc.insecure_channel(w.address) for iid, w in c.workers.items()}
+    channels = {iid: c.worker_channel(w.address) for iid, w in c.workers.items()}
     stubs = {iid: c.worker_stub(c.workers[iid].address, ch) for iid, ch in channels.items()}
     first_decode = next(iid for iid, w in c.workers.items() if w.role in ("decode", "both"))
     served_by = _ServedBy(Path(c.run_dir) / "conductor.log")

@@ -112,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         steps.run("workers registered, verified and serving", checks.wait_all, 420.0)
         steps.run("reference outputs (one standalone engine)", _join, ref, checks)
         steps.run("listeners: each where its script says", checks.listeners)
-        steps.run("strangers refused: worker calls without the token, etcd without TLS",
-                  checks.strangers)
+        steps.run("strangers refused: worker calls in plaintext or without the token, etcd "
+                  "without TLS", checks.strangers)
         steps.run("conductorctl on A lists and resizes across hosts", checks.ctl)
         steps.run("completion and stream across hosts (B prefills, C decodes)", checks.serve)
         steps.run("host C's link down mid-stream", checks.partition_c)

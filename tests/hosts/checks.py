@@ -139,29 +139,37 @@ class Checks:
 
     def strangers(self) -> str:
         """From the root namespace (a machine on the same network without the cluster's
-        secrets): a worker call without the cluster token gets UNAUTHENTICATED (and `Retire`
+        secrets): a plaintext worker call does not connect (the plane is mutual TLS), one with
+        a stolen TLS pair but without the cluster token gets UNAUTHENTICATED (and `Retire`
         retires nothing), etcd refuses a client without the CA's certificate."""
         import ssl
 
         import grpc
 
+        from cluster import plane_tls
         from protos import worker_pb2, worker_pb2_grpc
 
+        stolen = plane_tls.PlaneTLS.load(str(self.cluster.state_dir(self.cluster.a)
+                                             / "worker-tls"), "client")
         answers = []
         for w in self.cluster.workers:
             addr = self.cluster.instances()[w.instance_id]["address"]
-            with grpc.insecure_channel(addr) as channel:
-                stub = worker_pb2_grpc.WorkerStub(channel)
-                for call, req in (("Stats", worker_pb2.StatsRequest()),
-                                  ("Retire", worker_pb2.RetireRequest())):
-                    try:
-                        getattr(stub, call)(req, timeout=10)
-                    except grpc.RpcError as e:
-                        if e.code() != grpc.StatusCode.UNAUTHENTICATED:
-                            raise AssertionError(f"{w.instance_id} {call}: {e.code()}") from e
-                        answers.append(call)
-                    else:
-                        raise AssertionError(f"{w.instance_id} answered {call} to a stranger")
+            for tls, code in ((None, grpc.StatusCode.UNAVAILABLE),
+                              (stolen, grpc.StatusCode.UNAUTHENTICATED)):
+                with plane_tls.channel(addr, tls) as channel:
+                    stub = worker_pb2_grpc.WorkerStub(channel)
+                    for call, req in (("Stats", worker_pb2.StatsRequest()),
+                                      ("Retire", worker_pb2.RetireRequest())):
+                        try:
+                            getattr(stub, call)(req, timeout=10)
+                        except grpc.RpcError as e:
+                            if e.code() != code:
+                                raise AssertionError(f"{w.instance_id} {call}: {e.code()}"
+                                                     ) from e
+                            answers.append(code.name)
+                        else:
+                            raise AssertionError(f"{w.instance_id} answered {call} to a "
+                                                 "stranger")
         socket.create_connection((self.cluster.a.addr, 2379), timeout=10).close()  # it listens
         try:
             httpx.get(f"https://{self.cluster.a.addr}:2379/version", verify=False, timeout=10)
@@ -170,8 +178,10 @@ class Checks:
         else:
             raise AssertionError("etcd answered a client without a certificate")
         self.cluster.wait_serving([w.instance_id for w in self.cluster.workers], 10)
-        return (f"{len(answers)} worker calls UNAUTHENTICATED (all 3 still serving); etcd "
-                f"without a client certificate: {etcd}")
+        return (f"worker calls: {answers.count('UNAVAILABLE')} in plaintext refused, "
+                f"{answers.count('UNAUTHENTICATED')} with a TLS pair but no token "
+                f"UNAUTHENTICATED (all 3 still serving); etcd without a client certificate: "
+                f"{etcd}")
 
     def ctl(self) -> str:
         """`conductorctl instances` on A shows every worker at its host's address; `resize`

@@ -1,7 +1,7 @@
 """The cluster on the hosts, made with `deploy/` exactly as an operator would on real machines:
-each host its own state and log directory (its own disk), node A's cluster secret copied to
-the others (the operator's `scp -p`), every script run inside its host's namespace with the
-environment the README's deploy section gives."""
+each host its own state and log directory (its own disk), node A's cluster secret, etcd
+access and worker-plane TLS copied to the others (the operator's `scp -p`), every script run
+inside its host's namespace with the environment the README's deploy section gives."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ class Cluster:
                    KVCLUSTER_POOL_MASTER=f"{self.a.addr}:50051",
                    KVCLUSTER_POOL_METADATA=f"http://{self.a.addr}:8080/metadata",
                    KVCLUSTER_MODEL=self.model,
-                   KVCLUSTER_ETCD_SECURE="1")
+                   KVCLUSTER_ETCD_SECURE="1", KVCLUSTER_WORKER_TLS="1")
         env.update(extra)
         return env
 
@@ -83,13 +83,15 @@ class Cluster:
 
     def copy_secrets(self, host: Host) -> None:
         """What the operator does by hand (README, "Two nodes with deploy/"):
-        `scp -p A:run/deploy/cluster.secret run/deploy/` and
-        `scp -rp A:run/deploy/etcd-access run/deploy/`."""
+        `scp -p A:run/deploy/cluster.secret run/deploy/`,
+        `scp -rp A:run/deploy/etcd-access run/deploy/` and
+        `scp -rp A:run/deploy/worker-tls run/deploy/`."""
         src, dst = self.state_dir(self.a), self.state_dir(host)
         dst.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src / "cluster.secret", dst / "cluster.secret")
-        if not (dst / "etcd-access").exists():
-            shutil.copytree(src / "etcd-access", dst / "etcd-access")
+        for name in ("etcd-access", "worker-tls"):
+            if not (dst / name).exists():
+                shutil.copytree(src / name, dst / name)
 
     def start_worker(self, w: Worker) -> None:
         if w.host != self.a:
