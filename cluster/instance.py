@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ROLES = ("prefill", "decode", "both")
+PROBE_TOKENS = 512
+"""The prompt length a worker times at start (`InstanceInfo.prefill_probe_s`)."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,9 @@ class InstanceInfo:
     threads: int = 0  # its engine's compute threads (CPU); 0: unknown
     gpus: str = ""  # the accelerators it computes on ("0,1"); "": none
     max_model_len: int = 0  # its engine's context, in tokens; 0: unknown (the model's own)
+    prefill_probe_s: float = 0.0
+    """Seconds its engine took at start to prefill `PROBE_TOKENS` tokens (the better of two
+    runs): the conductor's first estimate of its speed; 0: not measured."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -61,9 +66,13 @@ class InstanceInfo:
             except (TypeError, ValueError, AttributeError):
                 raise ValueError(f"{name} must be a CPU/device list like '0-3,8', not "
                                  f"{getattr(self, name)!r}") from None
-        if not isinstance(self.started_at, (int, float)) or isinstance(self.started_at, bool):
-            raise TypeError(f"started_at must be a number, not {self.started_at!r}")
-        object.__setattr__(self, "started_at", float(self.started_at))
+        for name in ("started_at", "prefill_probe_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise TypeError(f"{name} must be a number, not {value!r}")
+            object.__setattr__(self, name, float(value))
+        if not self.prefill_probe_s >= 0:
+            raise ValueError(f"prefill_probe_s must be >= 0, not {self.prefill_probe_s!r}")
 
     @property
     def host(self) -> str:

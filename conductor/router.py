@@ -14,6 +14,7 @@ from pathlib import Path
 
 import structlog
 
+from cluster.instance import PROBE_TOKENS
 from conductor.config import ConductorConfig
 from conductor.errors import NoCapacity, Overloaded
 from conductor.registry import Instance, Registry
@@ -46,6 +47,13 @@ def kv_block_bytes(model_dir: str, block_size: int, dtype: str | None = None) ->
     head_dim = int(cfg.get("head_dim") or cfg.get("hidden_size", 64) // heads)
     name = dtype or cfg.get("dtype") or cfg.get("torch_dtype") or "float16"
     return 2 * layers * kv_heads * head_dim * _DTYPE_BYTES.get(str(name), 2) * block_size
+
+
+SPEED_MIN_TOKENS = 256
+"""Prefills computing fewer tokens do not count towards their instance's speed: their time is
+mostly a step's fixed costs (and the decode steps a `both` engine interleaves), which a speed
+factor would spread over every token of the next long prompt (measured, bench-e2e's trace:
+93-token prefills at 6x the model made a `both` engine's predictions 10x too long)."""
 
 
 @dataclass
@@ -91,6 +99,9 @@ class Router:
 
     def instance_joined(self, inst: Instance) -> None:
         self.index.add_location(inst.instance_id)
+        if inst.info.prefill_probe_s > 0:  # its speed before its first request
+            inst.load.observe_prefill(inst.info.prefill_probe_s,
+                                      self.prefill_fit.model.predict(PROBE_TOKENS, 0))
         self._params = None
         if self.follower is not None:
             self.follower.follow(inst)
@@ -272,19 +283,41 @@ class Dispatch:
         idx.truncate(POOL, self.block_hashes, blocks_in_pool)
         self.router.counters.reported_hit_tokens += num_cached_tokens
         self.router.counters.reported_prompt_tokens += num_prompt_tokens
-        if self.prefill.instance_id in self.router.warm:
-            self.router.prefill_fit.observe(num_prompt_tokens - num_cached_tokens,
-                                            num_cached_tokens,
-                                            engine_seconds if solo else service, exact=solo,
-                                            now=now)
-        else:  # an engine's first prefill pays its warm-up (seconds for a few tokens here)
-            self.router.warm.add(self.prefill.instance_id)
+        uncached = num_prompt_tokens - num_cached_tokens
+        seconds = engine_seconds if solo else service
+        if self._timed(uncached, num_cached_tokens, seconds, solo):
+            # the instance's speed takes what sets it apart, the model learns the rest
+            self.router.prefill_fit.observe(uncached, num_cached_tokens,
+                                            seconds / p.prefill_speed, exact=solo, now=now)
 
     def first_token(self) -> None:
         now = time.monotonic()
         self._first_token_at = self._last_token_at = now
         if self._prefill_open:  # prefilled by the decode instance itself
+            p = self.prefill.load
+            solo = self._solo and p.prefills_in_flight() == 1
+            service = p.service_time(now)
             self._end_prefill(now)
+            r = self.route
+            self._timed(r.uncached_tokens, r.cached_blocks * self.block_size, service, solo)
+
+    def _timed(self, uncached: int, cached: int, seconds: float, exact: bool) -> bool:
+        """Whether a prefill's timing is one for the model (an engine's first prefill pays
+        its warm-up: seconds for a few tokens here; an inter-departure time far under the
+        prediction is a batch, not a service time). One of a prefill that ran alone and
+        computed `SPEED_MIN_TOKENS` or more also joins the instance's speed: short ones time
+        a step's overheads, and inter-departure times on engines sharing cores measured up
+        to 20x the model (bench-e2e's 2P+2D arm), which the queue then counted again."""
+        iid = self.prefill.instance_id
+        if iid not in self.router.warm:
+            self.router.warm.add(iid)
+            return False
+        predicted = self.router.prefill_fit.model.predict(uncached, cached)
+        if uncached <= 0 or (not exact and seconds < 0.25 * predicted):
+            return False
+        if exact and uncached >= SPEED_MIN_TOKENS:
+            self.prefill.load.observe_prefill(seconds, predicted)
+        return True
 
     def tokens(self, token_ids: list[int], record: bool = True) -> None:
         """New output tokens; `record`: they extend the sequence the decode cache will hold

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -161,6 +162,11 @@ def test_instance_info_json_round_trip() -> None:
     assert json.loads(info.to_json())["role"] == "prefill"
     assert info.can_prefill and not info.can_decode
     assert make_info("x", "both").can_decode
+    probed = dataclasses.replace(info, prefill_probe_s=0.25)
+    assert InstanceInfo.from_json(probed.to_json()).prefill_probe_s == 0.25
+    old = json.loads(info.to_json())
+    del old["prefill_probe_s"]  # an older worker's registration
+    assert InstanceInfo.from_json(json.dumps(old)).prefill_probe_s == 0.0
 
 
 @pytest.mark.parametrize(
@@ -174,6 +180,9 @@ def test_instance_info_json_round_trip() -> None:
         lambda d: d.update(capacity_tokens=True),
         lambda d: d.update(address="no-port"),
         lambda d: d.update(instance_id="a/b"),
+        lambda d: d.update(prefill_probe_s=-1.0),
+        lambda d: d.update(prefill_probe_s="0.2"),
+        lambda d: d.update(prefill_probe_s=float("nan")),
     ],
 )
 def test_instance_info_json_rejects_bad_input(mutate: Callable[[dict[str, Any]], Any]) -> None:

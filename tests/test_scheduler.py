@@ -219,6 +219,36 @@ def test_a_long_prefill_goes_beside_a_decode_instance_with_streams_running():
     assert local.cost_s == pytest.approx(local.predicted_ttft_s + 8 * local.prefill_s)
 
 
+def test_an_instance_measured_slower_gets_a_prompt_only_when_it_ends_it_sooner():
+    """A background prefill engine prefills at a third of the speed of the `both` engine: an
+    idle `both` engine computes a prompt itself, one decoding streams hands it over, and with
+    the prefill engine queued the prompt stays at home."""
+    slow = dataclasses.replace(inst("p0"), prefill_speed=3.0)
+    fast = dataclasses.replace(inst("b0", "both"), prefill_speed=1.0)
+    assert pair(kv_centric(snap(slow, fast, disaggregate="auto"), request(2048))) == ("b0", "b0")
+    busy = dataclasses.replace(fast, running=4)
+    route = kv_centric(snap(slow, busy, disaggregate="auto"), request(2048))
+    assert pair(route) == ("p0", "b0")
+    assert route.prefill_s == pytest.approx(3 * PrefillTimeModel().predict(2048, 0))
+    queued = dataclasses.replace(slow, busy_until=NOW + 10.0)
+    assert pair(kv_centric(snap(queued, busy, disaggregate="auto"), request(2048))) == (
+        "b0", "b0")
+
+
+def test_an_instance_speed_follows_its_timings_over_the_model():
+    load = LoadState("p0", "prefill", BS)
+    assert load.view().prefill_speed == 1.0
+    load.observe_prefill(0.8, 0.2)
+    assert load.view().prefill_speed == pytest.approx(4.0)  # the first timing counts whole
+    load.observe_prefill(0.4, 0.2)
+    assert load.view().prefill_speed == pytest.approx(3.0)  # then a mean
+    for _ in range(100):
+        load.observe_prefill(1e-6, 1.0)  # no faster than the floor
+    assert load.view().prefill_speed == pytest.approx(0.2, rel=0.01)
+    load.observe_prefill(0.0, 1.0)  # no timing: unchanged
+    assert load.view().prefill_speed == pytest.approx(0.2, rel=0.01)
+
+
 def test_engines_sharing_cores_gain_nothing_from_disaggregating():
     """p0 and d0 each run two threads on the same two cores: a prefill on p0 slows d0's
     streams as much as one on d0 would, so the transfer is pure cost: computed locally."""

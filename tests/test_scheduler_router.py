@@ -265,3 +265,36 @@ async def test_relay_rekeys_vllm_events_into_the_conductors_hashes():
         await asyncio.wait_for(late.aclose(), 1)
     finally:
         relay.stop()
+
+
+async def test_a_workers_probe_sets_its_speed_and_its_timings_refine_it(model_dir):
+    """p0 announced a probe 4x the model's prediction: its prefills are priced 4x from the
+    first request, so p1 gets the long prompts; p1's timings (2x) make its speed, and the
+    shared model learns what is left of them (nothing, here)."""
+
+    from dataclasses import replace
+
+    from cluster.instance import PROBE_TOKENS
+
+    registry = Registry()
+    router = Router(ConductorConfig(model=model_dir, etcd="127.0.0.1:1", kv_events=False,
+                                    disaggregate="always"), registry)
+    model = router.prefill_fit.model
+    registry.sync({"p0": replace(_member("p0", "prefill", 1),
+                                 prefill_probe_s=4 * model.predict(PROBE_TOKENS, 0)),
+                   "p1": _member("p1", "prefill", 2), "d0": _member("d0", "decode", 3)})
+    p0, p1 = registry.get("p0").load, registry.get("p1").load
+    assert (p0.prefill_speed, p1.prefill_speed) == (pytest.approx(4.0), 1.0)
+    router.warm.update(("p0", "p1"))
+    seconds = 2 * model.predict(2048, 0)
+    for n, rid in enumerate(("a", "b")):
+        tokens = list(range(n * 5000, n * 5000 + 2048))
+        now_model = router.prefill_fit.model  # refitted after each timing
+        d = router.route(rid, tokens, tuple(block_hashes(tokens, BS)), 16, BS)
+        assert d.prefill.instance_id == "p1" and d.route.prefill_s == pytest.approx(
+            p1.prefill_speed * now_model.predict(2048, 0))
+        d.prefill_done(2048, 0, 64, seconds)
+        d.release()
+        assert p1.prefill_speed == pytest.approx(2.0)
+        assert router.prefill_fit._obs._rows[-1][1] == pytest.approx(seconds / 2)
+    assert router.prefill_fit.model.predict(2048, 0) == pytest.approx(model.predict(2048, 0))

@@ -76,6 +76,10 @@ class WorkerConfig:
     """Every KV block in the pool carries a digest, verified when loaded: a block that does
     not match is recomputed (`store.checksum`; host-memory caches only). Engines with and
     without it share no blocks (their namespaces differ)."""
+    prefill_probe: bool = True
+    """Time a prefill of `cluster.instance.PROBE_TOKENS` tokens at start (twice; well under
+    a second on a CPU core for the tiny models here) and announce it, so that the conductor
+    knows this engine's speed before its first request."""
     kv_events: bool = True
     """Publish the engine's prefix-cache changes to the conductor (the `KvEvents` RPC)."""
     secret_file: str = ""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +19,9 @@ from worker.config import WorkerConfig
 from worker.vllm_plugin import CPU_SEEDS_ENV
 
 log = structlog.get_logger(__name__)
+
+PROBE_TOKEN_RANGE = (100, 1000)
+"""Token ids a speed probe draws from: inside any real vocabulary."""
 
 FORCED_FIRST_TOKEN_PROCESSOR = "worker.forced_token:ForcedFirstToken"
 """Loaded by every engine: a decode makes its first token the prefill's (`worker.forced_token`)."""
@@ -162,6 +167,20 @@ class Engine:
             output=final,
             pool_stats=ktp.get("pool_stats"),
         )
+
+    async def probe_prefill(self, tokens: int, runs: int = 2) -> float:
+        """Seconds to prefill `tokens` tokens here, the best of `runs` (the first also warms
+        the engine up): distinct random prompts under a random cache salt, so that no cache
+        serves them and no request ever shares their blocks."""
+        rng = random.Random()
+        best = float("inf")
+        for _ in range(runs):
+            ids = [rng.randrange(PROBE_TOKEN_RANGE[0], PROBE_TOKEN_RANGE[1])
+                   for _ in range(tokens)]
+            result = await self.prefill(f"probe-{uuid.uuid4().hex}", ids,
+                                        f"probe-{uuid.uuid4().hex}")
+            best = min(best, result.engine_seconds)
+        return best
 
     def generate(self, request_id: str, token_ids: list[int], params, cache_salt: str,
                  pool_wait: tuple[int, float] | None = None,

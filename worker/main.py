@@ -13,7 +13,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster import keepalive, plane_tls
-from cluster.instance import InstanceInfo, cpu_list, format_cpu_list
+from cluster.instance import PROBE_TOKENS, InstanceInfo, cpu_list, format_cpu_list
 from cluster.logging import configure
 from cluster.membership import Registration
 from cluster.plane_tls import PlaneTLS
@@ -36,6 +36,7 @@ async def serve(config: WorkerConfig) -> bool:
     """Serve until told to stop (True) or the engine dies (False)."""
     engine = Engine(config)
     engine.start()
+    probe_s = await engine.probe_prefill(PROBE_TOKENS) if config.prefill_probe else 0.0
     servicer = WorkerServicer(engine, config.instance_id, config.role)
     secret = config.cluster_secret
     guard = RequireToken(secret) if secret is not None else None
@@ -60,6 +61,7 @@ async def serve(config: WorkerConfig) -> bool:
         started_at=time.time(),
         kv_namespace=engine.namespace,
         max_model_len=config.max_model_len,
+        prefill_probe_s=probe_s,
         **placement(config.device),
     )
     if guard is not None:  # Worker calls are refused until here
@@ -67,6 +69,7 @@ async def serve(config: WorkerConfig) -> bool:
     registration = Registration(config.etcd_access, info, ttl=max(2, round(config.lease_ttl)))
     await registration.start()
     log.info("worker_ready", instance_id=config.instance_id, role=config.role,
+             prefill_probe_ms=round(probe_s * 1e3, 1),
              address=info.address, authenticated=secret is not None,
              tls=config.tls is not None)
     print(f"READY {config.instance_id} {info.address}", flush=True)

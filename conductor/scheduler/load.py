@@ -18,6 +18,9 @@ from dataclasses import dataclass
 
 from conductor.scheduler.snapshot import InstanceLoad
 
+SPEED_WINDOW = 8
+SPEED_RANGE = (0.2, 10.0)
+
 
 @dataclass
 class _Decode:
@@ -54,6 +57,9 @@ class LoadState:
         self.threads = 0
         self.gpus: frozenset[int] = frozenset()
         """Where it computes (`snapshot.contention`), from its registration."""
+        self.prefill_speed = 1.0
+        """Its prefill times over the fitted model's predictions, averaged (`observe_prefill`)."""
+        self._speed_seen = 0
         self.on_change: Callable[[str], None] | None = None
         """Told the instance id whenever the load changes (the registry's snapshot upkeep)."""
 
@@ -99,6 +105,18 @@ class LoadState:
         """Seconds since the queue's head started (its dispatch to an idle instance, or the
         previous completion): the service time of the request completing now."""
         return now - self._head_started
+
+    def observe_prefill(self, seconds: float, predicted_s: float) -> None:
+        """A prefill of this instance took `seconds` where the fitted model predicted
+        `predicted_s`: the ratio joins its speed (a running mean over the first
+        `SPEED_WINDOW`, then an exponential one), clamped to `SPEED_RANGE`."""
+        if seconds <= 0 or predicted_s <= 0:
+            return
+        self._speed_seen += 1
+        ratio = min(max(seconds / predicted_s, SPEED_RANGE[0]), SPEED_RANGE[1])
+        weight = max(1.0 / self._speed_seen, 1.0 / SPEED_WINDOW)
+        self.prefill_speed += weight * (ratio - self.prefill_speed)
+        self._changed()
 
     def prefills_in_flight(self) -> int:
         return len(self._prefills)
@@ -168,5 +186,6 @@ class LoadState:
             cores=self.cores,
             threads=self.threads,
             gpus=self.gpus,
+            prefill_speed=self.prefill_speed,
         )
         return v

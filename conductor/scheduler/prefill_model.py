@@ -4,6 +4,9 @@
 tokens after a cached prefix of `c` tokens: a fixed step cost, the linear layers, and the
 attention of every new token to everything before it. Mooncake fits such a model offline;
 here it starts from a prior and is refitted online from `PrefillReply.engine_seconds`.
+One model serves every instance; what sets an instance apart (its cores, its load) is its
+speed, a factor on this model's times (`conductor.scheduler.load.LoadState.observe_prefill`),
+and the model learns each timing divided by it.
 """
 
 from __future__ import annotations

@@ -48,6 +48,9 @@ class InstanceLoad:
     """Its engine's compute threads (CPU); 0: unknown."""
     gpus: frozenset[int] = frozenset()
     """The accelerators it computes on."""
+    prefill_speed: float = 1.0
+    """Its prefills take this many times the fitted model's prediction (measured per
+    instance, `LoadState.observe_prefill`): engines on fewer or busier cores are slower."""
 
     def can_prefill(self) -> bool:
         return self.role in ("prefill", "both")

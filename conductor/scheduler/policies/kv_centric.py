@@ -16,6 +16,10 @@ measured transfer time per block (`transfer_s_per_block`):
       TTFT = queue(p) + pull(p) + prefill(uncached on p) + save(computed blocks)
              + pull(blocks d lacks) + TBT(d)
 
+prefill(u on x) is the fitted model's time times x's measured speed (`InstanceLoad.
+prefill_speed`: its start-up probe, then its own timings), so that an engine on fewer or busier
+cores is priced as it runs.
+
 A prefill also delays the streams decoding where it computes: d's, for a local route; p's own
 (an instance in the `both` role) and, in proportion to `snapshot.contention(p, d)`, d's when
 the two share cores, for a disaggregated one. A route's cost is its TTFT plus those delays
@@ -97,19 +101,21 @@ def _disaggregated(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
     # ---- prefill side: in queue order, until the queue plus the cheapest conceivable
     # prefill (the longest hit anywhere) is past the tie band of the best so far
     best_hit = min(req.match.longest, loadable)
-    floor = pm.predict(n - best_hit * bs, best_hit * bs)
+    floor = pm.predict(n - best_hit * bs, best_hit * bs) * min(
+        p.prefill_speed for p in prefills)
     rows = []
     band = float("inf")
     costs: dict[int, float] = {}
-    idle_hits: set[tuple[int, bool]] = set()  # an idle instance ties with an earlier like it
+    idle_hits: set[tuple[int, bool, float]] = set()  # an idle one ties with an earlier like it
     for p in snap.prefill_by_queue():
         queue = p.busy_until - now
         hit = min(local.get(p.instance_id, 0) if local else 0, loadable)
         decoding = p.running if p.can_decode() else 0
         if queue <= 0.0:
-            if (hit, bool(decoding)) in idle_hits:
+            like = (hit, bool(decoding), p.prefill_speed)
+            if like in idle_hits:
                 continue
-            idle_hits.add((hit, bool(decoding)))
+            idle_hits.add(like)
             queue = 0.0
         elif queue + floor > band:
             break
@@ -117,6 +123,7 @@ def _disaggregated(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
         cost = costs.get(cached)
         if cost is None:
             cost = costs[cached] = pm.predict(n - cached * bs, cached * bs)
+        cost *= p.prefill_speed
         ttft = queue + cost + (tfix + (pool - hit) * tpb if pool > hit else 0.0)
         rank = ttft + decoding * cost  # its own streams wait for this prefill
         rows.append((rank, hit, p, cached, cost, ttft))
@@ -193,6 +200,7 @@ def _local(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
         cost = costs.get(cached)
         if cost is None:
             cost = costs[cached] = prm.prefill.predict(n - cached * bs, cached * bs)
+        cost *= d.prefill_speed
         pull = prm.transfer_s_fixed + (pool - hit) * prm.transfer_s_per_block \
             if pool > hit else 0.0
         ttft = max(d.busy_until - now, 0.0) + pull + cost
