@@ -56,6 +56,10 @@ def sched_cluster(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
                        block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, dtype=DTYPE,
                        kv_cache_bytes=128 << 20, pool_segment_bytes=256 << 20,
                        lease_ttl=LEASE_TTL, policy="kv_centric",
+                       # two like prefill instances: start-up probes taken side by side on
+                       # two cores differ up to 2x, and a faster-priced instance can rightly
+                       # take a prompt beside a queue, which these tests do not check
+                       worker_env=(("KVCLUSTER_WORKER_PREFILL_PROBE", "false"),),
                        conductor_args=("--ttft-slo-s", str(TTFT_SLO_S),
                                        "--disaggregate", "always"))
     c = EmbeddedCluster(spec)
