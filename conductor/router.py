@@ -271,9 +271,7 @@ class Dispatch:
         is its service time), so the model follows the machine during bursts too."""
         now = time.monotonic()
         p = self.prefill.load
-        solo = self._solo and p.prefills_in_flight() == 1
-        service = p.service_time(now)
-        self._end_prefill(now)
+        solo, service = self._end_prefill(now)
         idx = self.router.index
         idx.store(self.prefill.instance_id, self.block_hashes)
         idx.store(POOL, self.block_hashes[:blocks_in_pool])
@@ -294,10 +292,7 @@ class Dispatch:
         now = time.monotonic()
         self._first_token_at = self._last_token_at = now
         if self._prefill_open:  # prefilled by the decode instance itself
-            p = self.prefill.load
-            solo = self._solo and p.prefills_in_flight() == 1
-            service = p.service_time(now)
-            self._end_prefill(now)
+            solo, service = self._end_prefill(now)
             r = self.route
             self._timed(r.uncached_tokens, r.cached_blocks * self.block_size, service, solo)
 
@@ -371,6 +366,11 @@ class Dispatch:
             self._decode_open = False
             self.decode.load.end_decode(self.request_id)
 
-    def _end_prefill(self, now: float) -> None:
+    def _end_prefill(self, now: float) -> tuple[bool, float]:
+        """Close the prefill; (whether it ran alone, its service time) for `_timed`."""
+        p = self.prefill.load
+        solo = self._solo and p.prefills_in_flight() == 1
+        service = p.service_time(now)
         self._prefill_open = False
-        self.prefill.load.end_prefill(self.request_id, now)
+        p.end_prefill(self.request_id, now)
+        return solo, service
