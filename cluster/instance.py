@@ -38,6 +38,9 @@ class InstanceInfo:
     prefill_probe_s: float = 0.0
     """Seconds its engine took at start to prefill `PROBE_TOKENS` tokens (the better of two
     runs): the conductor's first estimate of its speed; 0: not measured."""
+    side: bool = False
+    """Its engine computes on the cores of the serving processes (`cluster.shape.Engine.side`),
+    whose work it then delays: the policy prices it higher (`SchedulerParams.side_cost`)."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -71,6 +74,8 @@ class InstanceInfo:
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise TypeError(f"{name} must be a number, not {value!r}")
             object.__setattr__(self, name, float(value))
+        if not isinstance(self.side, bool):
+            raise TypeError(f"side must be a bool, not {self.side!r}")
         if not self.prefill_probe_s >= 0:
             raise ValueError(f"prefill_probe_s must be >= 0, not {self.prefill_probe_s!r}")
 

@@ -13,6 +13,12 @@ with every core serves a tiny model's requests faster than two with one core eac
   front end stalls the whole step (measured here: 5.4 ms per output token with the engine on
   both cores, 4.4 ms on one). Then one `both` engine per `CORES_PER_ENGINE` of the other
   cores (at least one), each bound to cores of its own, so that engines never fight either.
+  On a machine of up to `SIDE_ENGINE_MAX_CORES` cores, a side engine on the serving cores as
+  well, at normal priority, with half the step budget: under an open load of long prompts one
+  engine on one core of two queues them all (`make bench-e2e`'s trace: TTFT p50 3 s), and the
+  conductor prices each instance at its measured speed (a start-up probe, then its solo
+  timings), so the side engine gets a request when it ends it sooner, the lone stream the
+  engine with a core of its own.
 
 An explicit shape (`--prefill N --decode N --both N`) gets the cores shared out the same way
 (the serving core kept while there are more cores than engines); engines outnumbering the
@@ -52,6 +58,17 @@ this machine's 2 cores; override with --both N)."""
 STEP_TOKENS_PER_THREAD = 128
 """Prompt tokens a CPU engine that decodes computes per step and OpenMP thread
 (`Engine.step_tokens`)."""
+SIDE_ENGINE_MAX_CORES = 4
+"""Up to this many cores the chosen shape adds a side engine on the serving cores: there
+they are a large share of the machine's compute (half of it on 2 cores), left idle by the
+serving processes most of the time. Measured on 2 cores only (`make bench-e2e`, trace
+workload, goodput over vllm-router P/D's: 0.63 without it in run 3, 1.28 with it; `make
+bench-serve` unchanged, the side engine taking 0-2 of 128 requests); on more cores the
+serving core is a small share and the serving processes' own load grows with the engines."""
+SIDE_STEP_TOKENS_PER_THREAD = 64
+"""The side engine's step budget: half the others', since it computes between the serving
+processes' turns on its core (with 128 its streams' p90 token gap passed 100 ms under the
+trace workload's long prompts: 5 of 48 requests; with 64, none of its own)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +107,10 @@ class Engine:
     engine processes on its own: TPOT 5.0-5.2 ms, TTFT 32-48 ms; the prefill at normal
     priority 5.9 and 39-52 (one run each). Alone (every process floating) it changed
     nothing beyond the noise."""
+    side: bool = False
+    """Whether it computes on the serving cores at normal priority (the chosen shape's side
+    engine, `SIDE_ENGINE_MAX_CORES`): registered (`InstanceInfo.side`), so that the policy
+    prefers the other engines while they are not much busier (`SchedulerParams.side_cost`)."""
     step_tokens: int = 0
     """Tokens one step of it may compute (`--max-num-batched-tokens`; 0: vLLM's 2048): set
     for CPU engines that decode, so that a prompt is prefilled in chunks between the token
@@ -133,6 +154,7 @@ class Shape:
                            + (f" (scheduler on {e.engine_core_cpus})" if e.engine_core_cpus
                               else "")
                            + (f" {e.step_tokens}-token steps" if e.step_tokens else "")
+                           + (" beside the serving processes" if e.side else "")
                            for e in self.engines)
         serving = f"; serving processes on cores {self.serving_cpus}" if self.serving_cpus else ""
         return f"{' + '.join(parts)} ({places}{serving}): {self.reason}"
@@ -175,10 +197,17 @@ def _choose(cores: list[int], gpus: int, prefill: int | None, decode: int | None
     n = max(1, len(usable) // CORES_PER_ENGINE)
     kept = f"{len(cores) - len(usable)} for the serving processes, " if len(usable) < len(
         cores) else ""
-    why = (f"{len(cores)} cores: {kept}one engine on the rest (engines sharing cores stall "
-           "each other's streams)" if n == 1 else
+    why = (f"{len(cores)} cores: {kept}one engine on the rest" if n == 1 else
            f"{len(cores)} cores: {kept}{n} engines of {len(usable) // n} cores each")
-    return _place(["both"] * n, usable, 0, why, cores)
+    placed = _place(["both"] * n, usable, 0, why, cores)
+    serving = sorted(set(cores) - set(usable))
+    if not serving or len(cores) > SIDE_ENGINE_MAX_CORES:
+        return placed
+    side = Engine("both", format_cpu_list(set(serving)), len(serving), side=True,
+                  step_tokens=SIDE_STEP_TOKENS_PER_THREAD * len(serving))
+    return replace(placed, engines=(*placed.engines, side),
+                   reason=placed.reason + "; and one on the serving cores, which the policy "
+                   "gives a request only when its measured speed ends it sooner")
 
 
 def _engine_cores(cores: list[int], engines: int) -> list[int]:

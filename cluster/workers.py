@@ -85,6 +85,8 @@ class WorkerSpec(EngineSpec):
             argv += ["--engine-cpus", home]
         if placement is not None and placement.engine_core_cpus:
             argv += ["--engine-core-cpus", placement.engine_core_cpus]
+        if placement is not None and placement.side:
+            argv += ["--side", "true"]
         if placement is not None and placement.step_tokens:
             argv += ["--max-num-batched-tokens", str(placement.step_tokens)]
         if self.secret_file:

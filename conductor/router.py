@@ -22,7 +22,7 @@ from conductor.scheduler.decode_model import TbtFitter
 from conductor.scheduler.index import POOL, KVIndex
 from conductor.scheduler.policies.estimate import loadable_blocks
 from conductor.scheduler.policy import POLICIES
-from conductor.scheduler.prefill_model import PrefillTimeFitter
+from conductor.scheduler.prefill_model import PrefillTimeFitter, plausible
 from conductor.scheduler.snapshot import (
     ClusterSnapshot,
     Reject,
@@ -298,9 +298,10 @@ class Dispatch:
 
     def _timed(self, uncached: int, cached: int, seconds: float, exact: bool) -> bool:
         """Whether a prefill's timing is one for the model (an engine's first prefill pays
-        its warm-up: seconds for a few tokens here; an inter-departure time far under the
-        prediction is a batch, not a service time). One of a prefill that ran alone and
-        computed `SPEED_MIN_TOKENS` or more also joins the instance's speed: short ones time
+        its warm-up: seconds for a few tokens here; an inter-departure time far from the
+        prediction is a batch or a wait, not a service time: `prefill_model.plausible`). One
+        of a prefill that ran alone and computed `SPEED_MIN_TOKENS` or more also joins the
+        instance's speed: short ones time
         a step's overheads, and inter-departure times on engines sharing cores measured up
         to 20x the model (bench-e2e's 2P+2D arm), which the queue then counted again."""
         iid = self.prefill.instance_id
@@ -308,7 +309,8 @@ class Dispatch:
             self.router.warm.add(iid)
             return False
         predicted = self.router.prefill_fit.model.predict(uncached, cached)
-        if uncached <= 0 or (not exact and seconds < 0.25 * predicted):
+        if uncached <= 0 or (not exact and not plausible(
+                seconds, predicted * self.prefill.load.prefill_speed)):
             return False
         if exact and uncached >= SPEED_MIN_TOKENS:
             self.prefill.load.observe_prefill(seconds, predicted)

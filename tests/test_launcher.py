@@ -48,6 +48,14 @@ def _comm(pid: int) -> str:
         return ""
 
 
+def _routable(port: int) -> int:
+    return httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()["routable"]
+
+
+def _engine_cores(pid: int) -> list[int]:
+    return [p for p in _descendants(pid) if _comm(p).startswith("VLLM::EngineCor")]
+
+
 def _complete(port: int) -> httpx.Response:
     return httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                       json={"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0})
@@ -85,11 +93,15 @@ def test_launcher_serves_restarts_a_dead_engine_and_ctrl_c_leaves_nothing(model_
         assert text
 
         # an engine core killed (as the OOM killer would): its worker leaves, the launcher
-        # starts another in its place, and the cluster serves again
-        cores = [p for p in _descendants(proc.pid) if _comm(p).startswith("VLLM::EngineCor")]
-        assert cores
+        # starts another in its place, and the cluster serves again with every engine
+        engines = _routable(port)
+        cores = _engine_cores(proc.pid)
+        assert cores and engines == len(cores)
         os.kill(cores[0], signal.SIGKILL)
-        wait_until(lambda: _complete(port).status_code == 200, timeout=240, interval=1.0)
+        wait_until(lambda: set(_engine_cores(proc.pid)) - set(cores)
+                   and _routable(port) == engines, timeout=240, interval=1.0,
+                   what="the killed engine replaced and routable again")
+        assert _complete(port).status_code == 200
         assert _complete(port).json()["choices"][0]["text"] == text
         assert proc.poll() is None
 

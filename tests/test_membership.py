@@ -165,8 +165,10 @@ def test_instance_info_json_round_trip() -> None:
     probed = dataclasses.replace(info, prefill_probe_s=0.25)
     assert InstanceInfo.from_json(probed.to_json()).prefill_probe_s == 0.25
     old = json.loads(info.to_json())
-    del old["prefill_probe_s"]  # an older worker's registration
+    del old["prefill_probe_s"], old["side"]  # an older worker's registration
     assert InstanceInfo.from_json(json.dumps(old)).prefill_probe_s == 0.0
+    assert not InstanceInfo.from_json(json.dumps(old)).side
+    assert InstanceInfo.from_json(dataclasses.replace(info, side=True).to_json()).side
 
 
 @pytest.mark.parametrize(
@@ -183,6 +185,7 @@ def test_instance_info_json_round_trip() -> None:
         lambda d: d.update(prefill_probe_s=-1.0),
         lambda d: d.update(prefill_probe_s="0.2"),
         lambda d: d.update(prefill_probe_s=float("nan")),
+        lambda d: d.update(side="yes"),
     ],
 )
 def test_instance_info_json_rejects_bad_input(mutate: Callable[[dict[str, Any]], Any]) -> None:

@@ -219,6 +219,28 @@ def test_a_long_prefill_goes_beside_a_decode_instance_with_streams_running():
     assert local.cost_s == pytest.approx(local.predicted_ttft_s + 8 * local.prefill_s)
 
 
+def test_a_side_engine_gets_a_prompt_only_when_the_other_is_much_busier():
+    """The side engine (on the serving processes' cores) probed a little faster than the
+    engine with a core of its own: a lone prompt, and one beside a single stream, still go to
+    the dedicated engine; behind a queue of seconds there, to the side engine, with its
+    predicted TTFT unpriced."""
+    home = dataclasses.replace(inst("b0", "both", cores="1", threads=1), prefill_speed=1.0)
+    side = dataclasses.replace(inst("b1", "both", cores="0", threads=1), prefill_speed=0.9,
+                               side=True)
+    assert contention(side, home) == 1.0 and contention(home, side) == 0.0
+    for s in (snap(home, side, disaggregate="auto"),
+              snap(dataclasses.replace(home, running=1), side, disaggregate="auto")):
+        assert pair(kv_centric(s, request(2048))) == ("b0", "b0")
+    unmarked = dataclasses.replace(side, side=False)  # not known as one: its probe wins
+    assert pair(kv_centric(snap(home, unmarked, disaggregate="auto"), request(2048))) == (
+        "b1", "b1")
+    queued = dataclasses.replace(home, running=2, busy_until=NOW + 3.0)
+    route = kv_centric(snap(queued, side, disaggregate="auto"), request(2048))
+    assert pair(route) == ("b1", "b1")
+    assert route.predicted_ttft_s == pytest.approx(route.prefill_s)
+    assert route.cost_s == pytest.approx(2.0 * route.prefill_s + 16 * route.predicted_tbt_s)
+
+
 def test_an_instance_measured_slower_gets_a_prompt_only_when_it_ends_it_sooner():
     """A background prefill engine prefills at a third of the speed of the `both` engine: an
     idle `both` engine computes a prompt itself, one decoding streams hands it over, and with
@@ -507,6 +529,21 @@ def test_prefill_model_refits_to_observed_timings():
         fit.observe(u, c, truth.predict(u, c))
     for u, c in [(300, 0), (700, 500)]:
         assert fit.model.predict(u, c) == pytest.approx(truth.predict(u, c), rel=0.05)
+
+
+def test_an_inter_departure_time_far_from_the_prediction_is_no_timing():
+    """A 30-token remainder that waited ~3 s behind another prompt's chunks, or came out of
+    a batch at once, teaches the model nothing; the same seconds measured alone do."""
+    truth = PrefillTimeModel(0.02, 3e-4, 2e-8)
+    fit = PrefillTimeFitter(truth, every=1)
+    for seconds in (3.0, 0.001):
+        fit.observe(30, 3232, seconds, exact=False)
+        assert fit.model == truth
+    fit.observe(30, 3232, 1.5 * truth.predict(30, 3232), exact=False)  # within the band
+    moved = fit.model.predict(30, 3232)
+    assert moved > truth.predict(30, 3232)
+    fit.observe(30, 3232, 3.0)
+    assert fit.model.predict(30, 3232) > moved
 
 
 def test_prefill_model_keeps_its_prior_until_observed():

@@ -2,15 +2,22 @@
 
 import pytest
 
-from cluster.shape import STEP_TOKENS_PER_THREAD, choose
+from cluster.shape import SIDE_STEP_TOKENS_PER_THREAD, STEP_TOKENS_PER_THREAD, choose
 
 
-def test_two_cores_keep_one_for_serving_and_bind_one_engine_to_the_other():
+def test_two_cores_keep_one_for_serving_bind_an_engine_to_the_other_and_a_side_one_there():
     s = choose([0, 1])
-    assert [(e.role, e.cpu_bind, e.threads) for e in s.engines] == [("both", "1", 1)]
-    assert "1 for the serving processes" in s.reason
-    assert not s.engines[0].busy_wait
-    assert s.serving_cpus == "0"  # the serving processes are started there
+    assert [(e.role, e.cpu_bind, e.threads) for e in s.engines] == [("both", "1", 1),
+                                                                    ("both", "0", 1)]
+    assert "1 for the serving processes" in s.reason and "serving cores" in s.reason
+    assert not any(e.busy_wait or e.background for e in s.engines)
+    assert s.serving_cpus == "0"  # the serving processes are started there, beside the side one
+
+
+def test_the_side_engine_only_on_small_machines():
+    assert [e.cpu_bind for e in choose([0, 1, 2, 3]).engines] == ["1-3", "0"]
+    assert [e.cpu_bind for e in choose(list(range(5))).engines] == ["1-4"]
+    assert [e.cpu_bind for e in choose([0]).engines] == ["0"]  # no serving core to add one on
 
 
 def test_many_cores_give_each_engine_its_own_cores():
@@ -56,7 +63,7 @@ def test_a_shape_that_cannot_serve_is_refused(counts):
 
 def test_an_engine_with_cores_of_its_own_schedules_from_the_serving_cores():
     """Its model worker computes alone on its core; its engine core joins the serving ones."""
-    assert [e.engine_core_cpus for e in choose([0, 1]).engines] == ["0"]
+    assert [e.engine_core_cpus for e in choose([0, 1]).engines] == ["0", ""]  # side: beside it
     assert "both: cores 1 x1 (scheduler on 0)" in choose([0, 1]).describe()
     pd = choose([0, 1], prefill=1, decode=1)  # the background prefill keeps both on core 0
     assert [(e.role, e.engine_core_cpus) for e in pd.engines] == [("prefill", ""),
@@ -92,11 +99,19 @@ def test_the_worker_is_started_with_its_engine_core_placed_and_its_worker_spinni
     assert decode_env[WORKER_SPIN_ENV] == "1" and decode_env[SPIN_ENV] == "0.01"
     assert "--max-num-batched-tokens" not in prefill_argv
     assert decode_argv[decode_argv.index("--max-num-batched-tokens") + 1] == "128"
+    started.clear()
+    for e in choose([0, 1]).engines:  # the side engine announces itself
+        spec.start(e.role, e.cpu_bind, port=1, placement=e)
+    (home_argv, _), (side_argv, side_env) = started
+    assert "--side" not in home_argv and side_argv[side_argv.index("--side") + 1] == "true"
+    assert side_argv[side_argv.index("--engine-cpus") + 1] == "0"
+    assert WORKER_SPIN_ENV not in side_env  # it spins no longer than the serving processes
 
 
 def test_cpu_engines_that_decode_prefill_in_chunks_of_a_budget_per_thread():
     """A long prompt cannot hold an engine's streams for a whole prefill (`step_tokens`)."""
-    assert [e.step_tokens for e in choose([0, 1]).engines] == [STEP_TOKENS_PER_THREAD]
+    assert [e.step_tokens for e in choose([0, 1]).engines] == [STEP_TOKENS_PER_THREAD,
+                                                               SIDE_STEP_TOKENS_PER_THREAD]
     assert f"{STEP_TOKENS_PER_THREAD}-token steps" in choose([0, 1]).describe()
     assert [e.step_tokens for e in choose(list(range(17))).engines] == \
         [8 * STEP_TOKENS_PER_THREAD] * 2
@@ -104,8 +119,8 @@ def test_cpu_engines_that_decode_prefill_in_chunks_of_a_budget_per_thread():
     assert [(e.role, e.step_tokens) for e in pd.engines] == \
         [("prefill", 0)] * 2 + [("decode", STEP_TOKENS_PER_THREAD)] * 2
     assert {e.step_tokens for e in choose(list(range(8)), gpus=2).engines} == {0}
-    assert [e.step_tokens for e in choose([0, 1], step_tokens=512).engines] == [512]
-    assert [e.step_tokens for e in choose([0, 1], step_tokens=0).engines] == [0]
+    assert [e.step_tokens for e in choose([0, 1], step_tokens=512).engines] == [512, 512]
+    assert [e.step_tokens for e in choose([0, 1], step_tokens=0).engines] == [0, 0]
     assert [e.step_tokens for e in choose([0, 1], 0, 1, 1, None, 64).engines] == [0, 64]
     with pytest.raises(ValueError):
         choose([0, 1], step_tokens=16)

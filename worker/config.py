@@ -72,6 +72,9 @@ class WorkerConfig:
     """The cores the engine-core process (vLLM's scheduler) runs on, when not `engine_cpus`:
     the model worker it forks then binds its OpenMP threads to `engine_cpus` by
     `VLLM_CPU_OMP_THREADS_BIND` (`cluster.shape.Engine.engine_core_cpus`)."""
+    side: bool = False
+    """The engine computes on the cores of the serving processes (`cluster.shape.Engine.side`):
+    announced (`InstanceInfo.side`) for the conductor's policy."""
     kv_checksum: bool = False
     """Every KV block in the pool carries a digest, verified when loaded: a block that does
     not match is recomputed (`store.checksum`; host-memory caches only). Engines with and

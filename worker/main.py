@@ -62,6 +62,7 @@ async def serve(config: WorkerConfig) -> bool:
         kv_namespace=engine.namespace,
         max_model_len=config.max_model_len,
         prefill_probe_s=probe_s,
+        side=config.side,
         **placement(config.device),
     )
     if guard is not None:  # Worker calls are refused until here

@@ -55,6 +55,7 @@ class LoadState:
         self.host = ""
         self.cores: frozenset[int] = frozenset()
         self.threads = 0
+        self.side = False
         self.gpus: frozenset[int] = frozenset()
         """Where it computes (`snapshot.contention`), from its registration."""
         self.prefill_speed = 1.0
@@ -185,6 +186,7 @@ class LoadState:
             host=self.host,
             cores=self.cores,
             threads=self.threads,
+            side=self.side,
             gpus=self.gpus,
             prefill_speed=self.prefill_speed,
         )

@@ -35,6 +35,19 @@ def features(uncached: int, cached: int) -> tuple[float, float, float]:
     return (1.0, float(uncached), uncached * (cached + uncached / 2))
 
 
+INTER_DEPARTURE_BAND = (0.25, 4.0)
+"""An inter-departure time (a prefill that did not run alone) counts as a service time only
+within this factor of the current prediction: batched completions make one arbitrarily short,
+and a prompt whose few uncached tokens waited behind another's chunks on an engine that
+prefills several at once arbitrarily long (bench-e2e's trace: a 30-token remainder timed at
+~3 s, after which the model predicted 89 s for a cached 3,274-token prompt)."""
+
+
+def plausible(seconds: float, predicted: float) -> bool:
+    """Whether an inter-departure time of `seconds` may stand for a service time."""
+    return INTER_DEPARTURE_BAND[0] * predicted <= seconds <= INTER_DEPARTURE_BAND[1] * predicted
+
+
 class PrefillTimeFitter(Fitter[PrefillTimeModel]):
     """Collects (uncached, cached, seconds) observations (see `Fitter`)."""
 
@@ -44,11 +57,10 @@ class PrefillTimeFitter(Fitter[PrefillTimeModel]):
 
     def observe(self, uncached: int, cached: int, seconds: float, exact: bool = True,
                 now: float | None = None) -> None:
-        """One timing; `exact=False` for an inter-departure estimate, which batched
-        completions can make arbitrarily short: those under a quarter of the current
-        prediction are dropped."""
+        """One timing; `exact=False` for an inter-departure estimate, dropped unless
+        `plausible`."""
         if uncached <= 0 or seconds <= 0:
             return
-        if not exact and seconds < 0.25 * self.model.predict(uncached, cached):
+        if not exact and not plausible(seconds, self.model.predict(uncached, cached)):
             return
         self.add(features(uncached, cached), seconds, now)

@@ -46,6 +46,8 @@ class InstanceLoad:
     """The cores its engine computes on (CPU); empty: unknown."""
     threads: int = 0
     """Its engine's compute threads (CPU); 0: unknown."""
+    side: bool = False
+    """It computes on the serving processes' cores (`cluster.instance.InstanceInfo.side`)."""
     gpus: frozenset[int] = frozenset()
     """The accelerators it computes on."""
     prefill_speed: float = 1.0
@@ -81,6 +83,16 @@ class SchedulerParams:
     longest local match (locality kept at almost no cost)."""
     balance_abs: int = 32
     balance_rel: float = 1.5
+    side_cost: float = 2.0
+    """kv_centric: a route prefilling on a side instance (one computing on the serving
+    processes' cores, `InstanceLoad.side`) costs this many times its time, and one decoding
+    there one predicted TBT more per output token: its compute takes turns with the
+    processes that carry every stream's tokens (its own streams' too: a TPOT of 5.2 ms there
+    against 2.6, `make bench-serve`), which its speed, probed on an idle core, does not show.
+    With no such price (1, no TBT), requests went to it whenever its probe came out faster.
+    Under a load of long prompts the other engines' queues outweigh it (bench-e2e's trace,
+    goodput over vllm-router P/D's in the same run: 1.28 with this price, 0.88 with 3 and no
+    TBT term, which sent it too few, 0.92-1.02 with none)."""
     cache_threshold: float = 0.3
     """cache_aware (SGLang): imbalanced when max-min load > balance_abs and max > balance_rel
     * min; otherwise the best match wins if it covers more than cache_threshold of the prompt."""
@@ -172,11 +184,14 @@ class ClusterSnapshot:
 def contention(p: InstanceLoad, d: InstanceLoad) -> float:
     """The share of `d`'s speed a prefill running on `p` takes away: 1 on the same engine, 0
     on other hardware; engines on one host's CPU contend by how far their threads outnumber
-    the cores they can run on together."""
+    the cores they can run on together, and fully where `p` is a side engine: it computes on
+    the cores of the serving processes, which carry `d`'s tokens."""
     if p.instance_id == d.instance_id:
         return 1.0
     if not p.host or p.host != d.host:
         return 0.0
+    if p.side and not (p.gpus or d.gpus):
+        return 1.0
     if p.gpus or d.gpus:
         return 1.0 if p.gpus & d.gpus else 0.0
     if not (p.cores and d.cores and p.threads and d.threads):

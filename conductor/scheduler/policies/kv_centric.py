@@ -18,7 +18,10 @@ measured transfer time per block (`transfer_s_per_block`):
 
 prefill(u on x) is the fitted model's time times x's measured speed (`InstanceLoad.
 prefill_speed`: its start-up probe, then its own timings), so that an engine on fewer or busier
-cores is priced as it runs.
+cores is priced as it runs. A side instance (one on the serving processes' cores,
+`InstanceLoad.side`) prefills at `SchedulerParams.side_cost` times the cost, and decoding
+there adds one TBT per output token (not to its predicted TTFT): it gets the prompts that the
+other engines' queues would hold longer, not the lone ones.
 
 A prefill also delays the streams decoding where it computes: d's, for a local route; p's own
 (an instance in the `both` role) and, in proportion to `snapshot.contention(p, d)`, d's when
@@ -126,6 +129,8 @@ def _disaggregated(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
         cost *= p.prefill_speed
         ttft = queue + cost + (tfix + (pool - hit) * tpb if pool > hit else 0.0)
         rank = ttft + decoding * cost  # its own streams wait for this prefill
+        if p.side:
+            rank *= prm.side_cost
         rows.append((rank, hit, p, cached, cost, ttft))
         if rank * (1.0 + prm.near_min_rel) + prm.near_min_abs_s < band:
             band = rank * (1.0 + prm.near_min_rel) + prm.near_min_abs_s
@@ -205,6 +210,8 @@ def _local(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
             if pool > hit else 0.0
         ttft = max(d.busy_until - now, 0.0) + pull + cost
         total = ttft + max(running, 0) * cost
+        if d.side:  # and its tokens come at about half speed: one TBT more each
+            total = total * prm.side_cost + req.max_tokens * tbt
         if best is None or total < best.cost_s:
             best = Route(prefill_id=d.instance_id, decode_id=d.instance_id, cached_blocks=cached,
                          uncached_tokens=n - cached * bs, prefill_s=cost, predicted_ttft_s=ttft,
