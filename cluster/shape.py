@@ -206,8 +206,8 @@ def _choose(cores: list[int], gpus: int, prefill: int | None, decode: int | None
     side = Engine("both", format_cpu_list(set(serving)), len(serving), side=True,
                   step_tokens=SIDE_STEP_TOKENS_PER_THREAD * len(serving))
     return replace(placed, engines=(*placed.engines, side),
-                   reason=placed.reason + "; and one on the serving cores, which the policy "
-                   "gives a request only when its measured speed ends it sooner")
+                   reason=placed.reason + "; and a side one on the serving cores, where the "
+                   "policy sends what the other's queue would hold longer")
 
 
 def _engine_cores(cores: list[int], engines: int) -> list[int]:
