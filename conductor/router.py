@@ -301,9 +301,9 @@ class Dispatch:
         its warm-up: seconds for a few tokens here; an inter-departure time far from the
         prediction is a batch or a wait, not a service time: `prefill_model.plausible`). One
         of a prefill that ran alone and computed `SPEED_MIN_TOKENS` or more also joins the
-        instance's speed: short ones time
-        a step's overheads, and inter-departure times on engines sharing cores measured up
-        to 20x the model (bench-e2e's 2P+2D arm), which the queue then counted again."""
+        instance's speed: short ones time a step's overheads, and inter-departure times on
+        engines sharing cores measured up to 20x the model (bench-e2e's 2P+2D arm), which
+        the queue then counted again."""
         iid = self.prefill.instance_id
         if iid not in self.router.warm:
             self.router.warm.add(iid)
