@@ -16,9 +16,9 @@ with every core serves a tiny model's requests faster than two with one core eac
   On a machine of up to `SIDE_ENGINE_MAX_CORES` cores, a side engine on the serving cores as
   well, at normal priority, with half the step budget: under an open load of long prompts one
   engine on one core of two queues them all (`make bench-e2e`'s trace: TTFT p50 3 s), and the
-  conductor prices each instance at its measured speed (a start-up probe, then its solo
-  timings), so the side engine gets a request when it ends it sooner, the lone stream the
-  engine with a core of its own.
+  conductor prices the side engine as overflow (`SchedulerParams.side_cost`), so it gets the
+  prompts the other's queue would hold longer, the lone stream the engine with a core of its
+  own.
 
 An explicit shape (`--prefill N --decode N --both N`) gets the cores shared out the same way
 (the serving core kept while there are more cores than engines); engines outnumbering the
@@ -200,10 +200,10 @@ def _choose(cores: list[int], gpus: int, prefill: int | None, decode: int | None
     why = (f"{len(cores)} cores: {kept}one engine on the rest" if n == 1 else
            f"{len(cores)} cores: {kept}{n} engines of {len(usable) // n} cores each")
     placed = _place(["both"] * n, usable, 0, why, cores)
-    serving = sorted(set(cores) - set(usable))
+    serving = set(cores) - set(usable)
     if not serving or len(cores) > SIDE_ENGINE_MAX_CORES:
         return placed
-    side = Engine("both", format_cpu_list(set(serving)), len(serving), side=True,
+    side = Engine("both", format_cpu_list(serving), len(serving), side=True,
                   step_tokens=SIDE_STEP_TOKENS_PER_THREAD * len(serving))
     return replace(placed, engines=(*placed.engines, side),
                    reason=placed.reason + "; and a side one on the serving cores, where the "

@@ -85,10 +85,11 @@ class SchedulerParams:
     balance_rel: float = 1.5
     side_cost: float = 2.0
     """kv_centric: a route prefilling on a side instance (one computing on the serving
-    processes' cores, `InstanceLoad.side`) costs this many times its time, and one decoding
-    there one predicted TBT more per output token: its compute takes turns with the
-    processes that carry every stream's tokens (its own streams' too: a TPOT of 5.2 ms there
-    against 2.6, `make bench-serve`), which its speed, probed on an idle core, does not show.
+    processes' cores, `InstanceLoad.side`) costs this many times its time, and a local route
+    there (prefill and decode) one predicted TBT more per output token: its compute takes
+    turns with the processes that carry every stream's tokens (its own streams' too: a TPOT
+    of 5.2 ms there against 2.6, `make bench-serve`), which its speed, probed on an idle
+    core, does not show.
     With no such price (1, no TBT), requests went to it whenever its probe came out faster.
     Under a load of long prompts the other engines' queues outweigh it (bench-e2e's trace,
     goodput over vllm-router P/D's in the same run: 1.28 with this price, 0.88 with 3 and no
