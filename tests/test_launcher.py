@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from stat import S_ISSOCK
 
 import httpx
 import pytest
@@ -61,8 +64,22 @@ def _complete(port: int) -> httpx.Response:
                       json={"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0})
 
 
+def _sockets(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if S_ISSOCK(p.lstat().st_mode)]
+
+
+@pytest.fixture
+def short_tmp():
+    """A temporary directory for the cluster's processes: vLLM makes its socket files there,
+    and a socket's path has at most 107 bytes (pytest's `tmp_path` is too long)."""
+    tmp = Path(tempfile.mkdtemp(prefix="kvc-test-"))
+    yield tmp
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 @pytest.mark.engine
-def test_launcher_serves_restarts_a_dead_engine_and_ctrl_c_leaves_nothing(model_dir, tmp_path):
+def test_launcher_serves_restarts_a_dead_engine_and_ctrl_c_leaves_nothing(model_dir, tmp_path,
+                                                                         short_tmp):
     port = free_port()
     # started with SIGINT ignored, as background jobs are (and as this runner's children may
     # be): Ctrl-C must still stop it
@@ -71,7 +88,8 @@ def test_launcher_serves_restarts_a_dead_engine_and_ctrl_c_leaves_nothing(model_
         proc = subprocess.Popen(
             [sys.executable, "-m", "embedded", "--model", model_dir, "--port",
              str(port), "--run-dir", str(tmp_path / "run"), "--admin-port", "0"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            env={**os.environ, "TMPDIR": str(short_tmp)}, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     finally:
         signal.signal(signal.SIGINT, old)
     seen: set[int] = set()
@@ -116,6 +134,7 @@ def test_launcher_serves_restarts_a_dead_engine_and_ctrl_c_leaves_nothing(model_
             proc.wait()
     wait_until(lambda: not any(_alive(p) for p in seen), timeout=5.0,
                what="processes left behind")
+    assert _sockets(short_tmp) == []  # vLLM's, in each engine's directory (`worker.engine`)
 
 
 def test_a_child_outlives_the_thread_that_started_it(tmp_path):

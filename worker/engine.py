@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -22,6 +24,12 @@ log = structlog.get_logger(__name__)
 
 PROBE_TOKEN_RANGE = (100, 1000)
 """Token ids a speed probe draws from: inside any real vocabulary."""
+
+IPC_ENV = "VLLM_RPC_BASE_PATH"
+"""Where vLLM makes its processes' ZeroMQ socket files: the temporary directory, and it never
+removes them (6,277 in /tmp after a few days of tests here). Unset, each engine gets a
+directory of its own there, removed when it shuts down; short, since a socket's path may not
+exceed 107 bytes."""
 
 FORCED_FIRST_TOKEN_PROCESSOR = "worker.forced_token:ForcedFirstToken"
 """Loaded by every engine: a decode makes its first token the prefill's (`worker.forced_token`)."""
@@ -52,12 +60,17 @@ class Engine:
         """The KV event relay (`worker.kv_events`), when `config.kv_events`."""
         self.load: dict[str, float] = {}
         """The engine scheduler's latest queue and KV use (`worker.telemetry`)."""
+        self._ipc_dir = ""
+        """Where its processes' ZeroMQ sockets are (`IPC_ENV`), removed at shutdown."""
 
     def start(self) -> None:
         # Imported here: vLLM is heavy and the engine-core process is spawned.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         if self.config.device == "cpu":  # read by its engine's processes (`worker.vllm_plugin`)
             os.environ[CPU_SEEDS_ENV] = "1"
+        if not os.environ.get(IPC_ENV):
+            self._ipc_dir = tempfile.mkdtemp(prefix="kvcluster-ipc-")
+            os.environ[IPC_ENV] = self._ipc_dir
         from vllm.config import KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
@@ -222,6 +235,8 @@ class Engine:
         if self.relay is not None:
             self.relay.stop()
             self.relay = None
+        if self._ipc_dir:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -35,6 +35,13 @@ ENGINE_CHECK_S = 0.5
 async def serve(config: WorkerConfig) -> bool:
     """Serve until told to stop (True) or the engine dies (False)."""
     engine = Engine(config)
+    try:
+        return await _serve(config, engine)
+    finally:  # also when it failed to start: its processes and socket files go
+        engine.shutdown()
+
+
+async def _serve(config: WorkerConfig, engine: Engine) -> bool:
     engine.start()
     probe_s = await engine.probe_prefill(PROBE_TOKENS) if config.prefill_probe else 0.0
     servicer = WorkerServicer(engine, config.instance_id, config.role)
