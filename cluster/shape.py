@@ -16,9 +16,9 @@ with every core serves a tiny model's requests faster than two with one core eac
   On a machine of up to `SIDE_ENGINE_MAX_CORES` cores, a side engine on the serving cores as
   well, at normal priority, with half the step budget: under an open load of long prompts one
   engine on one core of two queues them all (`make bench-e2e`'s trace: TTFT p50 3 s), and the
-  conductor prices the side engine as overflow (`SchedulerParams.side_cost`), so it gets the
-  prompts the other's queue would hold longer, the lone stream the engine with a core of its
-  own.
+  conductor prices the side engine's tokens a TBT slower each (`SchedulerParams.side_cost`),
+  so it gets the prompts the other's queue would hold longer and short answers, the lone
+  long stream the engine with a core of its own.
 
 An explicit shape (`--prefill N --decode N --both N`) gets the cores shared out the same way
 (the serving core kept while there are more cores than engines); engines outnumbering the
@@ -63,7 +63,7 @@ SIDE_ENGINE_MAX_CORES = 4
 they are a large share of the machine's compute (half of it on 2 cores), left idle by the
 serving processes most of the time. Measured on 2 cores only (`make bench-e2e`, trace
 workload, goodput over vllm-router P/D's: 0.63 without it in run 3, 1.28 with it; `make
-bench-serve` unchanged, the side engine taking 0-2 of 128 requests); on more cores the
+bench-serve` unchanged, the side engine decoding 0-3 of 128 requests); on more cores the
 serving core is a small share and the serving processes' own load grows with the engines."""
 SIDE_STEP_TOKENS_PER_THREAD = 64
 """The side engine's step budget: half the others', since it computes between the serving
@@ -110,7 +110,8 @@ class Engine:
     side: bool = False
     """Whether it computes on the serving cores at normal priority (the chosen shape's side
     engine, `SIDE_ENGINE_MAX_CORES`): registered (`InstanceInfo.side`), so that the policy
-    prefers the other engines while they are not much busier (`SchedulerParams.side_cost`)."""
+    prices its streams' tokens slower and the serving processes' delay
+    (`SchedulerParams.side_cost`, `snapshot.contention`)."""
     step_tokens: int = 0
     """Tokens one step of it may compute (`--max-num-batched-tokens`; 0: vLLM's 2048): set
     for CPU engines that decode, so that a prompt is prefilled in chunks between the token

@@ -219,18 +219,21 @@ def test_a_long_prefill_goes_beside_a_decode_instance_with_streams_running():
     assert local.cost_s == pytest.approx(local.predicted_ttft_s + 8 * local.prefill_s)
 
 
-def test_a_side_engine_gets_a_prompt_only_when_the_other_is_much_busier():
+def test_a_side_engine_gets_a_prompt_only_when_it_ends_it_sooner_tokens_included():
     """The side engine (on the serving processes' cores) probed a little faster than the
-    engine with a core of its own: a lone prompt, and one beside a single stream, still go to
-    the dedicated engine; behind a queue of seconds there, to the side engine, with its
-    predicted TTFT unpriced."""
+    engine with a core of its own: a lone prompt still goes to the dedicated engine; beside a
+    single stream there, a long answer is prefilled on the side engine and streamed by the
+    dedicated one (each token a TBT slower on the side engine), a short one goes to the side
+    engine, and so does a prompt behind a queue of seconds, its predicted TTFT unpriced."""
     home = dataclasses.replace(inst("b0", "both", cores="1", threads=1), prefill_speed=1.0)
     side = dataclasses.replace(inst("b1", "both", cores="0", threads=1), prefill_speed=0.9,
                                side=True)
     assert contention(side, home) == 1.0 and contention(home, side) == 0.0
-    for s in (snap(home, side, disaggregate="auto"),
-              snap(dataclasses.replace(home, running=1), side, disaggregate="auto")):
-        assert pair(kv_centric(s, request(2048))) == ("b0", "b0")
+    busy = dataclasses.replace(home, running=1)
+    assert pair(kv_centric(snap(home, side, disaggregate="auto"), request(2048))) == ("b0", "b0")
+    assert pair(kv_centric(snap(busy, side, disaggregate="auto"),
+                           request(2048, max_tokens=128))) == ("b1", "b0")
+    assert pair(kv_centric(snap(busy, side, disaggregate="auto"), request(2048))) == ("b1", "b1")
     unmarked = dataclasses.replace(side, side=False)  # not known as one: its probe wins
     assert pair(kv_centric(snap(home, unmarked, disaggregate="auto"), request(2048))) == (
         "b1", "b1")
@@ -238,7 +241,9 @@ def test_a_side_engine_gets_a_prompt_only_when_the_other_is_much_busier():
     route = kv_centric(snap(queued, side, disaggregate="auto"), request(2048))
     assert pair(route) == ("b1", "b1")
     assert route.predicted_ttft_s == pytest.approx(route.prefill_s)
-    assert route.cost_s == pytest.approx(2.0 * route.prefill_s + 16 * route.predicted_tbt_s)
+    assert route.cost_s == pytest.approx(route.prefill_s + 16 * route.predicted_tbt_s)
+    priced = kv_centric(snap(home, side, disaggregate="auto", side_cost=3.0), request(2048))
+    assert pair(priced) == ("b0", "b0")  # an operator's price still applies
 
 
 def test_an_instance_measured_slower_gets_a_prompt_only_when_it_ends_it_sooner():

@@ -83,17 +83,18 @@ class SchedulerParams:
     longest local match (locality kept at almost no cost)."""
     balance_abs: int = 32
     balance_rel: float = 1.5
-    side_cost: float = 2.0
+    side_cost: float = 1.0
     """kv_centric: a route prefilling on a side instance (one computing on the serving
-    processes' cores, `InstanceLoad.side`) costs this many times its time, and a local route
-    there (prefill and decode) one predicted TBT more per output token: its compute takes
-    turns with the processes that carry every stream's tokens (its own streams' too: a TPOT
-    of 5.2 ms there against 2.6, `make bench-serve`), which its speed, probed on an idle
-    core, does not show.
-    With no such price (1, no TBT), requests went to it whenever its probe came out faster.
-    Under a load of long prompts the other engines' queues outweigh it (bench-e2e's trace,
-    goodput over vllm-router P/D's in the same run: 1.28 with this price, 0.88 with 3 and no
-    TBT term, which sent it too few, 0.92-1.02 with none)."""
+    processes' cores, `InstanceLoad.side`) costs this many times its time; a local route
+    there (prefill and decode) costs one predicted TBT more per output token whatever this is:
+    its compute takes turns with the processes that carry every stream's tokens (its own
+    streams' too: a TPOT of 5.2 ms there against 2.6, `make bench-serve`), which its speed,
+    probed on an idle core, does not show. With neither (no TBT term), lone requests went to
+    it whenever its probe came out faster; the TBT term alone keeps them off it (`make
+    bench-serve`, 2026-11-26 09:52: 0-3 of 128 decoded there, TPOT 1.24x plain's). A
+    multiplier on top (2, until then) kept the trace's bursts of long prompts queued on the
+    dedicated engine (`make bench-e2e`, trace, goodput over vllm-router P/D's in the same
+    hour: 0.88 with 2, 1.13 with 1; docs/benchmarks.md, run 5)."""
     cache_threshold: float = 0.3
     """cache_aware (SGLang): imbalanced when max-min load > balance_abs and max > balance_rel
     * min; otherwise the best match wins if it covers more than cache_threshold of the prompt."""

@@ -19,10 +19,10 @@ measured transfer time per block (`transfer_s_per_block`):
 prefill(u on x) is the fitted model's time times x's measured speed (`InstanceLoad.
 prefill_speed`: its start-up probe, then its own timings), so that an engine on fewer or busier
 cores is priced as it runs. A side instance (one on the serving processes' cores,
-`InstanceLoad.side`) prefills at `SchedulerParams.side_cost` times the cost, and a local route
-there adds one TBT per output token (not to its predicted TTFT; a disaggregated route that
-only decodes there pays no such term): it gets the prompts that the other engines' queues
-would hold longer, not the lone ones.
+`InstanceLoad.side`) prefills at `SchedulerParams.side_cost` times the cost (1 by default),
+and a local route there adds one TBT per output token (not to its predicted TTFT; a
+disaggregated route that only decodes there pays no such term): it gets the prompts that the
+other engines' queues would hold longer, and short answers, not the lone long streams.
 
 A prefill also delays the streams decoding where it computes: d's, for a local route; p's own
 (an instance in the `both` role) and, in proportion to `snapshot.contention(p, d)`, d's when
