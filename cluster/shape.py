@@ -125,7 +125,12 @@ class Engine:
     without a budget (`--step-tokens 0`), 1.49x plain vLLM against 1.22x; bench-e2e's
     goodput on long prompts under load is what it buys (docs/benchmarks.md). vLLM's
     `long_prefill_token_threshold` (the cap only while other requests share the engine)
-    with a budget of twice the chunk did not win it back (36 ms, 1.40x). A model ten times
+    with a budget of twice the chunk did not win it back (36 ms, 1.40x); nor, against the
+    token gaps of the streams beside a long prompt (a 128-token chunk at a 2,000-token
+    context takes ~90 ms), does it at half the budget: two prompts then share each step,
+    both prefilled at half speed, the step as long as before (`make bench-e2e`, 2026-11-26
+    09:40, shared_prefix gaps of 107-138 ms, trace goodput 0.87x vllm-router P/D's against
+    1.13x without). A model ten times
     larger prefills ten times slower per token: this is a default for the tiny models here,
     not a measurement of the one being served."""
 
