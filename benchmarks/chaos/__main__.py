@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import re
-import signal
 import threading
 import time
 from collections import Counter
@@ -28,6 +27,7 @@ from benchmarks.chaos.config import (
 from benchmarks.chaos.faults import Admin, Chaos, wait_until
 from benchmarks.chaos.report import print_summary, scrape, summarize
 from benchmarks.chaos.traffic import Req, Result, build_requests, reference, run_one
+from benchmarks.signals import stop_on_sigterm
 from embedded import ClusterSpec, EmbeddedCluster
 
 
@@ -87,9 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     distinct = list(dict.fromkeys(r.prompt for r in reqs))
     refs = reference(model, distinct, run_dir)
 
-    def _sigterm(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, _sigterm)
+    stop_on_sigterm()
 
     n = len(reqs)
     faults = args.fault_list
