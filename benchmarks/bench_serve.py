@@ -37,6 +37,7 @@ from benchmarks.signals import stop_on_sigterm
 from cluster.ports import free_port
 from cluster.process import ManagedProcess
 from worker import step_log
+from worker.dtype import resolve as resolve_dtype
 
 EXTRA: list[str] = []
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,14 +99,14 @@ def start_ours(name: str, launcher_args: list[str], run_dir: Path) -> Running:
 
 
 def start_plain(model: str, kv_bytes: int, block_size: int, max_model_len: int,
-                run_dir: Path) -> Running:
+                dtype: str, run_dir: Path) -> Running:
     """`vllm serve` as a user starts it: its defaults (thread binding, compilation), plus the
-    cluster's block size, context and total KV memory."""
+    cluster's block size, context, dtype (resolved: `worker.dtype`) and total KV memory."""
     port = free_port()
     name = os.path.basename(model.rstrip("/"))
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "float32", "--block-size", str(block_size),
+            "--dtype", dtype, "--block-size", str(block_size),
             "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_bytes),
             "--enable-prefix-caching", *EXTRA]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "VLLM_CPU_OMP"))}
@@ -341,7 +342,7 @@ def run_arm(arm: str, rep: int, a: argparse.Namespace, model: str, datasets: lis
 
         spec = spec_from_args(a.auto_args.split())
         r = start_plain(model, spec.kv_cache_bytes * spec.engines(), spec.block_size,
-                        spec.max_model_len, run_dir)
+                        spec.max_model_len, resolve_dtype(model, spec.dtype), run_dir)
     else:
         r = start_ours(arm, (a.auto_args if arm == "auto" else a.pd_args).split(), run_dir)
     print(f"[{arm} #{rep}] up in {time.monotonic() - t0:.0f}s (cpu probe {probe * 1e3:.0f} ms "

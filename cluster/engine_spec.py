@@ -14,7 +14,9 @@ from typing import Any
 class EngineSpec:
     block_size: int = 32
     max_model_len: int = 2048
-    dtype: str = "float32"
+    dtype: str = "auto"
+    """"auto": as `vllm serve` resolves it for the model and platform (`worker.dtype`;
+    bfloat16 on this machine), or float32, bfloat16, float16."""
     kv_cache_bytes: int = 256 << 20
     """Each engine's KV cache."""
     pool_segment_bytes: int = 256 << 20

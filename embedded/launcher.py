@@ -37,6 +37,7 @@ from cluster.shape import Shape
 from cluster.workers import WorkerSpec
 from protos import worker_pb2_grpc
 from store.master import StoreClientService, StoreMaster
+from worker.dtype import DTYPES
 
 log = structlog.get_logger(__name__)
 
@@ -372,6 +373,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--store-metadata-port", type=int, default=0)
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="the engines' dtype (auto: as vllm serve picks it, bfloat16 on a CPU "
+                   "that has it)")
     p.add_argument("--admin-port", type=int,
                    default=int(os.environ.get("KVCLUSTER_ADMIN_PORT", "8001")),
                    help="the conductor's admin API on 127.0.0.1 (0: a free port, -1: off)")
@@ -403,7 +407,8 @@ def spec_from_args(argv: list[str] | None = None) -> ClusterSpec:
                        etcd_port=a.etcd_port, store_rpc_port=a.store_rpc_port,
                        store_metadata_port=a.store_metadata_port, run_dir=a.run_dir,
                        block_size=a.block_size, max_model_len=a.max_model_len,
-                       admin_port=a.admin_port, pool_shm=a.pool == "shm", policy=a.policy,
+                       dtype=a.dtype, admin_port=a.admin_port, pool_shm=a.pool == "shm",
+                       policy=a.policy,
                        conductor_args=("--disaggregate", a.disaggregate),
                        enforce_eager=a.eager, worker_tls=a.worker_tls)
 

@@ -12,6 +12,7 @@ from cluster.etcd_access import EtcdAccess
 from cluster.instance import cpu_list
 from cluster.plane_tls import PlaneTLS
 from cluster.secret import LOOPBACK, ClusterSecret
+from worker.dtype import DTYPES
 
 ROLES = ("prefill", "decode", "both")
 KV_ROLE = {"prefill": "kv_both", "decode": "kv_both", "both": "kv_both"}
@@ -44,7 +45,9 @@ class WorkerConfig:
     or `vllm`). Nothing else in the worker or the connector depends on it."""
     block_size: int = 32
     max_model_len: int = 2048
-    dtype: str = "float32"
+    dtype: str = "auto"
+    """The engine's dtype: "auto" as `vllm serve` resolves it (`worker.dtype`), or one of
+    float32, bfloat16, float16."""
     kv_cache_bytes: int = 512 << 20
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 0
@@ -102,6 +105,8 @@ class WorkerConfig:
         if self.block_size <= 0 or (self.device == "cpu" and self.block_size % 32):
             raise ValueError(f"block_size must be a positive multiple of 32 on CPU, "
                              f"got {self.block_size}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
         if self.max_num_batched_tokens and self.max_num_batched_tokens < self.block_size:

@@ -18,6 +18,7 @@ import structlog
 from cluster.instance import cpu_list
 from store.namespace import kv_namespace
 from worker.config import WorkerConfig
+from worker.dtype import resolve as resolve_dtype
 from worker.vllm_plugin import CPU_SEEDS_ENV
 
 log = structlog.get_logger(__name__)
@@ -53,7 +54,9 @@ class Engine:
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        self.namespace = kv_namespace(config.model, config.block_size, config.dtype,
+        self.dtype = resolve_dtype(config.model, config.dtype)
+        """What the engine computes in ("auto" resolved, `worker.dtype`)."""
+        self.namespace = kv_namespace(config.model, config.block_size, self.dtype,
                                       checksum=config.kv_checksum)
         self._llm = None
         self.relay = None
@@ -101,7 +104,7 @@ class Engine:
         args = AsyncEngineArgs(
             model=c.model,
             served_model_name=[c.served_model_name],
-            dtype=c.dtype,
+            dtype=self.dtype,
             block_size=c.block_size,
             max_model_len=c.max_model_len,
             max_num_seqs=c.max_num_seqs,

@@ -32,6 +32,8 @@ from benchmarks.e2e import client, report, spread, systems, workloads
 from benchmarks.machine import cpu_probe_s, describe
 from benchmarks.signals import stop_on_sigterm
 from tinymodel.builder import ModelSpec, ensure_model
+from worker.dtype import DTYPES
+from worker.dtype import resolve as resolve_dtype
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
@@ -178,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=1.0, help="arrival rate, requests/s")
     p.add_argument("--prefill", type=int, default=2)
     p.add_argument("--decode", type=int, default=2)
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="every arm's dtype (auto: as vllm serve picks it for the model here)")
     p.add_argument("--pool", choices=("shm", "tcp"), default="shm",
                    help="the pool's transport for the disaggregated systems (default: shared "
                    "memory through one mooncake_client, the best Mooncake offers on one host)")
@@ -210,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"workload {w.name}: {w.description}; reuse "
               f"{workloads.reuse_ratio(w, 32):.0%} of full blocks", flush=True)
     engines = systems.Engines(model=model, prefill=args.prefill, decode=args.decode,
-                              pool_shm=args.pool == "shm")
+                              pool_shm=args.pool == "shm", dtype=resolve_dtype(model, args.dtype))
+    print(f"every arm computes in {engines.dtype}", flush=True)
 
     records: list[report.RequestRecord] = []
     runs: dict[tuple[str, str], list[report.Summary]] = {}
