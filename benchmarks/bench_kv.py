@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.machine import cpu_model
-from benchmarks.signals import stop_on_sigterm
+from cluster.signals import stop_on_signals
 
 GB = 1e9
 MiB = 1 << 20
@@ -481,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store-client", default="", help=argparse.SUPPRESS)
     p.add_argument("--only", default="", help="comma-separated indexes of the settings to run")
     args = p.parse_args(argv)
-    stop_on_sigterm()
+    stop_on_signals()
     if args.worker:
         args.role = args.worker
         worker_main(args)

@@ -33,9 +33,9 @@ from pathlib import Path
 import httpx
 
 from benchmarks.machine import StallWatch, cpu_probe_s, describe
-from benchmarks.signals import stop_on_sigterm
 from cluster.ports import free_port
 from cluster.process import ManagedProcess
+from cluster.signals import stop_on_signals
 from worker import step_log
 from worker.dtype import resolve as resolve_dtype
 
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--render", action="store_true",
                    help="print the tables, plot and summary of --out's results.json again")
     a = p.parse_args(argv)
-    stop_on_sigterm()
+    stop_on_signals()
     if a.render:
         return report(load(Path(a.out) / "results.json"), Path(a.out))
     from tinymodel.builder import ensure_model

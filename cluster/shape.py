@@ -48,6 +48,8 @@ WORKER_SPIN_ENV = "KVCLUSTER_WORKER_SPIN_S"
 BACKGROUND_ENV = "KVCLUSTER_ENGINE_BACKGROUND"
 """Set: the engine runs at SCHED_IDLE (`Engine.background`). Both are read in every vLLM
 process of the engine by `worker/vllm_plugin.py`."""
+STEP_CONTEXT_ENV = "KVCLUSTER_STEP_CONTEXT_TOKENS"
+"""`Engine.step_context`, read by the engine core (`worker.step_budget`)."""
 
 RESERVED_CORES = 1
 """Cores kept for the serving processes when there is more than one."""
@@ -55,9 +57,12 @@ CORES_PER_ENGINE = 8
 """CPU cores per engine when the shape is chosen: fewer engines with more threads each, since
 a second engine only pays once the first has cores it cannot use well (not measured beyond
 this machine's 2 cores; override with --both N)."""
-STEP_TOKENS_PER_THREAD = 128
-"""Prompt tokens a CPU engine that decodes computes per step and OpenMP thread
-(`Engine.step_tokens`)."""
+STEP_TOKENS_PER_THREAD = 256
+"""Prompt tokens a CPU engine that decodes computes per step and OpenMP thread at no context
+(`Engine.step_tokens`, `Engine.step_context`)."""
+STEP_CONTEXT_TOKENS = 2000
+"""The context at which a CPU engine's step budget is halved (`worker.step_budget`): measured
+1,940 for the bench-e2e model in bfloat16 on one core (a token there costs twice one at none)."""
 SIDE_ENGINE_MAX_CORES = 4
 """Up to this many cores the chosen shape adds a side engine on the serving cores: there
 they are a large share of the machine's compute (half of it on 2 cores), left idle by the
@@ -65,7 +70,7 @@ serving processes most of the time. Measured on 2 cores only (`make bench-e2e`, 
 workload, goodput over vllm-router P/D's: 0.63 without it in run 3, 1.28 with it; `make
 bench-serve` unchanged, the side engine decoding 0-3 of 128 requests); on more cores the
 serving core is a small share and the serving processes' own load grows with the engines."""
-SIDE_STEP_TOKENS_PER_THREAD = 64
+SIDE_STEP_TOKENS_PER_THREAD = 128
 """The side engine's step budget: half the others', since it computes between the serving
 processes' turns on its core (with 128 its streams' p90 token gap passed 100 ms under the
 trace workload's long prompts: 5 of 48 requests; with 64, none of its own)."""
@@ -112,6 +117,9 @@ class Engine:
     engine, `SIDE_ENGINE_MAX_CORES`): registered (`InstanceInfo.side`), so that the policy
     prices its streams' tokens slower and the serving processes' delay
     (`SchedulerParams.side_cost`, `snapshot.contention`)."""
+    step_context: int = 0
+    """With `step_tokens`: the context at which the budget is halved, each step's budget
+    shrinking with the context its prompt chunk attends to (`worker.step_budget`; 0: fixed)."""
     step_tokens: int = 0
     """Tokens one step of it may compute (`--max-num-batched-tokens`; 0: vLLM's 2048): set
     for CPU engines that decode, so that a prompt is prefilled in chunks between the token
@@ -130,9 +138,12 @@ class Engine:
     context takes ~90 ms), does it at half the budget: two prompts then share each step,
     both prefilled at half speed, the step as long as before (`make bench-e2e`, 2026-11-26
     09:40, shared_prefix gaps of 107-138 ms, trace goodput 0.87x vllm-router P/D's against
-    1.13x without). A model ten times
-    larger prefills ten times slower per token: this is a default for the tiny models here,
-    not a measurement of the one being served."""
+    1.13x without). Those figures are float32's; in bfloat16 (the engines' default since
+    2026-11-26, `worker.dtype`) a 128-token step of that model takes 26-33 ms at a prompt's
+    start and 54 ms at 3,400 tokens of context (62 and 142 in float32, one core, compiled):
+    the budget was kept, not measured again. A model ten times larger prefills ten times
+    slower per token: this is a default for the tiny models here, not a measurement of the
+    one being served."""
 
 
 @dataclass(frozen=True)
@@ -210,7 +221,8 @@ def _choose(cores: list[int], gpus: int, prefill: int | None, decode: int | None
     if not serving or len(cores) > SIDE_ENGINE_MAX_CORES:
         return placed
     side = Engine("both", format_cpu_list(serving), len(serving), side=True,
-                  step_tokens=SIDE_STEP_TOKENS_PER_THREAD * len(serving))
+                  step_tokens=SIDE_STEP_TOKENS_PER_THREAD * len(serving),
+                  step_context=STEP_CONTEXT_TOKENS)
     return replace(placed, engines=(*placed.engines, side),
                    reason=placed.reason + "; and a side one on the serving cores, where the "
                    "policy sends what the other's queue would hold longer")
@@ -231,8 +243,8 @@ def _place(roles: list[str], cores: list[int], gpus: int, reason: str,
                            for i, r in enumerate(roles)), reason)
     n = len(roles)
     if n > len(cores):  # more engines than cores: unbound, one thread each
-        return Shape(tuple(Engine(r, "nobind", 1, step_tokens=_step_tokens(r, 1))
-                           for r in roles),
+        return Shape(tuple(Engine(r, "nobind", 1, step_tokens=_step_tokens(r, 1),
+                                  step_context=_step_context(r)) for r in roles),
                      reason + f"; {n} engines on {len(cores)} cores share them")
     per = len(cores) // n
     machine = machine or cores
@@ -241,13 +253,18 @@ def _place(roles: list[str], cores: list[int], gpus: int, reason: str,
         reason += "; prefill engines in the background of the serving processes"
     engines = [Engine(r, format_cpu_list(set(cores[i * per:(i + 1) * per])), per,
                       background=background and r == "prefill",
-                      step_tokens=_step_tokens(r, per)) for i, r in enumerate(roles)]
+                      step_tokens=_step_tokens(r, per), step_context=_step_context(r))
+               for i, r in enumerate(roles)]
     computing = set().union(*(cpu_list(e.cpu_bind) for e in engines if not e.background))
     serving = format_cpu_list(set(machine) - computing)
     if serving:  # the engines' cores are their own: their schedulers join the serving cores
         engines = [e if e.background else replace(e, engine_core_cpus=serving)
                    for e in engines]
     return Shape(tuple(engines), reason, serving)
+
+
+def _step_context(role: str) -> int:
+    return 0 if role == "prefill" else STEP_CONTEXT_TOKENS
 
 
 def _step_tokens(role: str, threads: int) -> int:

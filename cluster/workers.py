@@ -13,7 +13,7 @@ from cluster import loopback
 from cluster.engine_spec import EngineSpec
 from cluster.ports import free_port
 from cluster.process import ManagedProcess
-from cluster.shape import BACKGROUND_ENV, SPIN_ENV, WORKER_SPIN_ENV, Engine
+from cluster.shape import BACKGROUND_ENV, SPIN_ENV, STEP_CONTEXT_ENV, WORKER_SPIN_ENV, Engine
 
 ROLES = ("prefill", "decode", "both")
 CPU_ENGINE_SPIN_S = "0.01"
@@ -109,6 +109,8 @@ class WorkerSpec(EngineSpec):
                 env[WORKER_SPIN_ENV] = VLLM_SPIN_S
         if placement is not None and placement.background:
             env[BACKGROUND_ENV] = "1"
+        if placement is not None and placement.step_tokens and placement.step_context:
+            env[STEP_CONTEXT_ENV] = str(placement.step_context)
         env.update(dict(self.env))
         # its worker binds loopback (WorkerConfig.host), and so does its engine's Mooncake
         env = loopback.env("127.0.0.1", env)

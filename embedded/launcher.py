@@ -34,6 +34,7 @@ from cluster.ports import free_port
 from cluster.process import ManagedProcess, children_on
 from cluster.secret import ClusterSecret, bind
 from cluster.shape import Shape
+from cluster.signals import stop_on_signals
 from cluster.workers import WorkerSpec
 from protos import worker_pb2_grpc
 from store.master import StoreClientService, StoreMaster
@@ -431,18 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     model = spec.model
     cluster = EmbeddedCluster(spec)
-    stopping = False
-
-    def _stop(signum: int, frame: object) -> None:
-        nonlocal stopping
-        if not stopping:
-            stopping = True
-            raise KeyboardInterrupt
-
-    # SIGINT too, explicitly: a process started with SIGINT ignored (as background jobs and
-    # some test runners start children) would otherwise never see Ctrl-C.
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    stop_on_signals()
     try:
         print(f"starting the embedded cluster (logs in {cluster.run_dir}/) ...", flush=True)
         cluster.start()

@@ -576,6 +576,21 @@ def test_a_model_fitted_to_a_slow_moment_returns_to_its_prior_without_new_timing
     assert fit.model.predict(2000, 0) == pytest.approx(prior.predict(2000, 0), rel=0.2)
 
 
+def test_timings_that_barely_exercise_a_term_do_not_move_it_by_orders_of_magnitude():
+    """bench-e2e's overhead probes: 2-token prefills after a 64-token prefix, ~20 ms each (the
+    step's fixed cost) made a model that predicted 19 s for a 2,252-token prompt (0.6 s)."""
+    prior = PrefillTimeModel(0.01, 1e-4, 1e-8)
+    fit = PrefillTimeFitter(prior)
+    for i in range(40):
+        fit.observe(2, 64, 0.02, now=i * 0.05)
+    assert fit.model.predict(2, 64) == pytest.approx(0.02, rel=0.1)  # what it saw
+    assert fit.model.per_attn_s < 2 * prior.per_attn_s
+    assert fit.model.predict(2252, 0) < 4 * prior.predict(2252, 0)
+    for i in range(4):  # long prompts timed: the model follows them
+        fit.observe(2252, 0, 0.6, now=2.0 + i)
+    assert fit.model.predict(2252, 0) == pytest.approx(0.6, rel=0.1)
+
+
 def test_tbt_model_refits():
     truth = TbtModel(0.004, 0.002, 1e-6)
     fit = TbtFitter(TbtModel(0.01, 0.001, 1e-7))

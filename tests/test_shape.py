@@ -2,7 +2,13 @@
 
 import pytest
 
-from cluster.shape import SIDE_STEP_TOKENS_PER_THREAD, STEP_TOKENS_PER_THREAD, choose
+from cluster.shape import (
+    SIDE_STEP_TOKENS_PER_THREAD,
+    STEP_CONTEXT_ENV,
+    STEP_CONTEXT_TOKENS,
+    STEP_TOKENS_PER_THREAD,
+    choose,
+)
 
 
 def test_two_cores_keep_one_for_serving_bind_an_engine_to_the_other_and_a_side_one_there():
@@ -98,7 +104,10 @@ def test_the_worker_is_started_with_its_engine_core_placed_and_its_worker_spinni
     assert decode_argv[decode_argv.index("--engine-cpus") + 1] == "1"
     assert decode_env[WORKER_SPIN_ENV] == "1" and decode_env[SPIN_ENV] == "0.01"
     assert "--max-num-batched-tokens" not in prefill_argv
-    assert decode_argv[decode_argv.index("--max-num-batched-tokens") + 1] == "128"
+    assert decode_argv[decode_argv.index("--max-num-batched-tokens") + 1] == \
+        str(STEP_TOKENS_PER_THREAD)
+    assert decode_env[STEP_CONTEXT_ENV] == str(STEP_CONTEXT_TOKENS)  # its budget in time
+    assert STEP_CONTEXT_ENV not in prefill_env
     started.clear()
     for e in choose([0, 1]).engines:  # the side engine announces itself
         spec.start(e.role, e.cpu_bind, port=1, placement=e)

@@ -71,9 +71,7 @@ class Engine:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         if self.config.device == "cpu":  # read by its engine's processes (`worker.vllm_plugin`)
             os.environ[CPU_SEEDS_ENV] = "1"
-        if not os.environ.get(IPC_ENV):
-            self._ipc_dir = tempfile.mkdtemp(prefix="kvcluster-ipc-")
-            os.environ[IPC_ENV] = self._ipc_dir
+        self._claim_ipc_dir()
         from vllm.config import KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
@@ -130,6 +128,12 @@ class Engine:
             self._llm = AsyncLLM.from_engine_args(
                 args, stat_loggers=[load_logger_factory(self.load)])
         log.info("engine_started", model=c.model, role=c.role, namespace=self.namespace)
+
+    def _claim_ipc_dir(self) -> None:
+        """A socket directory of the engine's own (`IPC_ENV`), unless one is set."""
+        if not os.environ.get(IPC_ENV):
+            self._ipc_dir = tempfile.mkdtemp(prefix="kvcluster-ipc-")
+            os.environ[IPC_ENV] = self._ipc_dir
 
     @property
     def llm(self):
@@ -238,8 +242,11 @@ class Engine:
         if self.relay is not None:
             self.relay.stop()
             self.relay = None
-        if self._ipc_dir:
+        if self._ipc_dir:  # and the variable pointing at it, for an engine started next
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            if os.environ.get(IPC_ENV) == self._ipc_dir:
+                del os.environ[IPC_ENV]
+            self._ipc_dir = ""
 
 
 @contextlib.contextmanager

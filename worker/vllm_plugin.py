@@ -20,6 +20,9 @@ kill the engine (`_chunkable_cpu_seeds`).
 
 `KVCLUSTER_STEP_LOG=<dir>`: the engine core records its step times there (`worker.step_log`).
 
+`KVCLUSTER_STEP_CONTEXT_TOKENS=<h>`: the engine core's step budget shrinks with the context its
+prompt chunks attend to, halved at `h` tokens (`worker.step_budget`).
+
 `KVCLUSTER_ENGINE_BACKGROUND` (set by the launcher for `cluster.shape.Engine.background`): the
 engine's processes (engine core, model worker), not the worker's front end that starts them,
 run at `SCHED_IDLE`, so that the serving processes on the same core preempt them at once; the
@@ -32,8 +35,8 @@ from __future__ import annotations
 
 import os
 
-from cluster.shape import BACKGROUND_ENV, SPIN_ENV, WORKER_SPIN_ENV
-from worker import step_log
+from cluster.shape import BACKGROUND_ENV, SPIN_ENV, STEP_CONTEXT_ENV, WORKER_SPIN_ENV
+from worker import step_budget, step_log
 
 CPU_SEEDS_ENV = "KVCLUSTER_CPU_SEEDS"
 """Set (by `worker.engine` on CPU): seeded requests get generators that survive chunking."""
@@ -42,6 +45,8 @@ CPU_SEEDS_ENV = "KVCLUSTER_CPU_SEEDS"
 def register() -> None:
     if os.environ.get(step_log.ENV):
         step_log.install(os.environ[step_log.ENV])
+    if os.environ.get(STEP_CONTEXT_ENV):
+        step_budget.install(int(os.environ[STEP_CONTEXT_ENV]))
     _spin()
     if os.environ.get(CPU_SEEDS_ENV):
         _chunkable_cpu_seeds()

@@ -27,7 +27,7 @@ from benchmarks.chaos.config import (
 from benchmarks.chaos.faults import Admin, Chaos, wait_until
 from benchmarks.chaos.report import print_summary, scrape, summarize
 from benchmarks.chaos.traffic import Req, Result, build_requests, reference, run_one
-from benchmarks.signals import stop_on_sigterm
+from cluster.signals import stop_on_signals
 from embedded import ClusterSpec, EmbeddedCluster
 
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     distinct = list(dict.fromkeys(r.prompt for r in reqs))
     refs = reference(model, distinct, run_dir)
 
-    stop_on_sigterm()
+    stop_on_signals()
 
     n = len(reqs)
     faults = args.fault_list

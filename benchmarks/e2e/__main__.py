@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from benchmarks.e2e import client, report, spread, systems, workloads
 from benchmarks.machine import cpu_probe_s, describe
-from benchmarks.signals import stop_on_sigterm
+from cluster.signals import stop_on_signals
 from tinymodel.builder import ModelSpec, ensure_model
 from worker.dtype import DTYPES
 from worker.dtype import resolve as resolve_dtype
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / "docs" / "e2e"))
     p.add_argument("--run-dir", default="")
     args = p.parse_args(argv)
-    stop_on_sigterm()
+    stop_on_signals()
     names = args.systems.split(",")
     unknown = set(names) - set(systems.SYSTEMS)
     if unknown or args.reps < 1:

@@ -18,13 +18,13 @@ import argparse
 import contextlib
 import random
 import shutil
-import signal
 import sys
 import threading
 import time
 import traceback
 from pathlib import Path
 
+from cluster.signals import stop_on_signals
 from tests.hosts import net
 from tests.hosts.checks import Checks
 from tests.hosts.cluster import ROOT, Cluster, Worker
@@ -68,10 +68,6 @@ class Steps:
         return out
 
 
-def _sigterm(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.teardown:
@@ -86,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     if left:
         print(f"an earlier run's leftovers could not be removed: {left}", file=sys.stderr)
         return 1
-    signal.signal(signal.SIGTERM, _sigterm)
+    stop_on_signals()
     run_dir = Path(args.run_dir).resolve()
     steps = Steps()
     checks: Checks | None = None
