@@ -72,8 +72,9 @@ bench-serve` unchanged, the side engine decoding 0-3 of 128 requests); on more c
 serving core is a small share and the serving processes' own load grows with the engines."""
 SIDE_STEP_TOKENS_PER_THREAD = 128
 """The side engine's step budget: half the others', since it computes between the serving
-processes' turns on its core (with 128 its streams' p90 token gap passed 100 ms under the
-trace workload's long prompts: 5 of 48 requests; with 64, none of its own)."""
+processes' turns on its core (in float32, with 128 its streams' p90 token gap passed 100 ms
+under the trace workload's long prompts: 5 of 48 requests; with 64, none of its own; in
+bfloat16 128, with the budget shrinking as the context grows, `STEP_CONTEXT_TOKENS`)."""
 
 
 @dataclass(frozen=True)
@@ -140,10 +141,14 @@ class Engine:
     09:40, shared_prefix gaps of 107-138 ms, trace goodput 0.87x vllm-router P/D's against
     1.13x without). Those figures are float32's; in bfloat16 (the engines' default since
     2026-11-26, `worker.dtype`) a 128-token step of that model takes 26-33 ms at a prompt's
-    start and 54 ms at 3,400 tokens of context (62 and 142 in float32, one core, compiled):
-    the budget was kept, not measured again. A model ten times larger prefills ten times
-    slower per token: this is a default for the tiny models here, not a measurement of the
-    one being served."""
+    start and 54 ms at 3,400 tokens of context (62 and 142 in float32, one core, compiled),
+    a 256-token one 45-49 ms at the start: so 256 a thread since, shrinking with the context
+    (`step_context`). Measured with `make bench-e2e`'s arms 1 and 2 (2 repetitions against
+    run 6's 3, 2026-11-26 13:52): arm 1's TTFT p99 1.04-1.21 s on shared_prefix against
+    1.36-2.41, 1.51-1.68 on the trace against 1.54-2.67, 0.30-0.54 on low_reuse against
+    0.58-0.96, TBT p99 43-50 ms against 51-82, every request served within its SLOs. A model
+    ten times larger prefills ten times slower per token: this is a default for the tiny
+    models here, not a measurement of the one being served."""
 
 
 @dataclass(frozen=True)
