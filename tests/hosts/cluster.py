@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.chaos.config import DTYPE
 from tests.hosts import net
 from tests.hosts.net import Host
 
@@ -96,10 +97,12 @@ class Cluster:
     def start_worker(self, w: Worker) -> None:
         if w.host != self.a:
             self.copy_secrets(w.host)
+        # the reference engine's dtype: logprobs compared exactly (the default, "auto", is
+        # bfloat16 here, whose logprobs move with the batch: up to 0.027 apart)
         self.script(w.host, f"{w.role}.sh", KVCLUSTER_INSTANCE_ID=w.instance_id,
                     KVCLUSTER_KV_CACHE_BYTES=str(self.kv_cache_bytes),
                     KVCLUSTER_WORKER_ENGINE_CPUS=w.cpus, VLLM_CPU_OMP_THREADS_BIND=w.cpus,
-                    OMP_NUM_THREADS="1")
+                    OMP_NUM_THREADS="1", KVCLUSTER_WORKER_DTYPE=DTYPE)
 
     def ctl(self, *args: str, timeout: float = 60.0) -> str:
         """`conductorctl` on node A, as the README's deploy section runs it."""
