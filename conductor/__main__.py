@@ -14,6 +14,7 @@ def main(argv: list[str] | None = None) -> None:
     configure("conductor")
     uvicorn.run(create_app(config), host=config.host, port=config.port, loop="uvloop",
                 http="httptools", log_level="warning", access_log=False,
+                timeout_keep_alive=config.http_keep_alive_s,
                 timeout_graceful_shutdown=5)
 
 

@@ -27,6 +27,10 @@ class ConductorConfig:
     """The name clients pass as `model`; defaults to the model directory's name."""
     host: str = "127.0.0.1"
     port: int = 8000
+    http_keep_alive_s: int = 75
+    """An idle client connection stays open this long. Longer than HTTP clients' own idle
+    expiry (httpx and the OpenAI SDK: 5 s, aiohttp: 15 s): at equal times a client can send on
+    a connection the conductor is closing and meet a reset, not an answer."""
     policy: str = DEFAULT_POLICY
     """Routing policy: kv_centric | cache_aware | least_loaded | round_robin | random."""
     membership_prefix: str = "/kvcluster/instances/"
@@ -149,7 +153,8 @@ class ConductorConfig:
                      "ttft_slo_s", "tbt_slo_s", "pool_gbps", "index_max_blocks",
                      "predicted_ttl_s", "health_interval_s", "breaker_cooldown_s",
                      "pool_sync_s", "stats_interval_s",
-                     "max_in_flight", "max_body_bytes", "pool_wait_margin_s"):
+                     "max_in_flight", "max_body_bytes", "pool_wait_margin_s",
+                     "http_keep_alive_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.stall_timeout_s < 0:

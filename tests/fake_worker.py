@@ -369,7 +369,8 @@ class LocalConductor:
                                     membership=lambda on_change: StaticMembership(members))
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
                                                      loop="asyncio", log_level="warning",
-                                                     lifespan="on"))
+                                                     lifespan="on",
+                                                     timeout_keep_alive=config.http_keep_alive_s))
         serving = asyncio.ensure_future(self._server.serve(sockets=[self._sock]))
         await self._stop.wait()
         await serving

@@ -421,6 +421,31 @@ def test_a_per_request_slo_rejects_only_that_request(client, model):
                                      extra_body={"ttft_slo_ms": 600_000}).choices
 
 
+def test_idle_connections_outlive_the_clients_own_expiry(model_dir):
+    """A client reuses an idle connection until its own expiry; a conductor that closed it at
+    the same moment would meet the next request with a reset (seen once in CI, uvicorn's 5 s
+    against the OpenAI SDK's 5 s). The conductor keeps it longer, and the setting is the
+    server's."""
+    import time
+
+    from openai._constants import DEFAULT_CONNECTION_LIMITS
+
+    from conductor.config import parse_args
+
+    default = parse_args(["--model", model_dir, "--etcd", "127.0.0.1:1"]).http_keep_alive_s
+    assert default > DEFAULT_CONNECTION_LIMITS.keepalive_expiry  # httpx's too
+    assert default > 15  # aiohttp's (vllm bench serve)
+    with LocalConductor(model_dir, conductor_args=("--http-keep-alive-s", "1")) as c:
+        with socket.create_connection(("127.0.0.1", c.port), timeout=10) as s:
+            sent = time.monotonic()
+            s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            answer = b""
+            while chunk := s.recv(65536):  # until the server closes (the timeout raises)
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200")
+            assert time.monotonic() - sent < 4  # its own 1 s, not uvicorn's default 5
+
+
 def test_client_disconnect_aborts_prefill_and_decode(model_dir):
     import threading
 
