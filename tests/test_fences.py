@@ -6,6 +6,8 @@ call abandoned after `op_timeout_s` that completes later would."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from conftest import wait_until
@@ -47,17 +49,30 @@ def _worker(pool: InMemoryPool) -> tuple[WorkerSide, list[torch.Tensor]]:
     return side, layers
 
 
+@contextmanager
+def _late_side(pooled: bool) -> Iterator[tuple[InMemoryPool, threading.Event, WorkerSide,
+                                               list[torch.Tensor]]]:
+    """A worker side over a late pool (key "k" in it if `pooled`): its calls copy only once the
+    event is set, as the test does and this does on the way out, before the side shuts down."""
+    pool = InMemoryPool()
+    if pooled:
+        _pooled(pool, "k")
+    late = pool.late = threading.Event()
+    side, layers = _worker(pool)
+    try:
+        yield pool, late, side, layers
+    finally:
+        late.set()
+        side.shutdown()
+
+
 def _finished(side: WorkerSide, finished: set[str]) -> tuple[set[str], set[str]]:
     sent, received = side.get_finished(finished)
     return sent or set(), received or set()
 
 
 def test_a_load_given_up_on_holds_its_blocks_until_the_late_write_is_done():
-    pool = InMemoryPool()
-    _pooled(pool, "k")
-    late = pool.late = threading.Event()
-    side, layers = _worker(pool)
-    try:
+    with _late_side(pooled=True) as (_, late, side, layers):
         side.start_load_kv(PoolConnectorMetadata(loads=[LoadJob("A", ("k",), (1,))]))
         received: set[str] = set()
         wait_until(lambda: received.update(_finished(side, set())[1]) or "A" in received, 5)
@@ -72,19 +87,12 @@ def test_a_load_given_up_on_holds_its_blocks_until_the_late_write_is_done():
         wait_until(lambda: float(layers[0][1].min()) == PATTERN, 5)
         sent: set[str] = set()
         wait_until(lambda: sent.update(_finished(side, set())[0]) or "A" in sent, 5)
-    finally:
-        late.set()
-        side.shutdown()
 
 
 def test_a_load_given_up_on_in_the_step_its_request_is_aborted_reports_once_done():
     """vLLM frees an aborted request's blocks as soon as its load reports (`finished_recving`),
     whatever the scheduler side says: the report waits for the late write."""
-    pool = InMemoryPool()
-    _pooled(pool, "k")
-    late = pool.late = threading.Event()
-    side, layers = _worker(pool)
-    try:
+    with _late_side(pooled=True) as (_, late, side, layers):
         side.start_load_kv(PoolConnectorMetadata(loads=[LoadJob("A", ("k",), (1,))]))
         wait_until(lambda: side.fences.held("A"), 5)  # the loader gave up on its read ...
         # ... and in the step that takes its result, the request is aborted
@@ -97,17 +105,11 @@ def test_a_load_given_up_on_in_the_step_its_request_is_aborted_reports_once_done
         received: set[str] = set()
         wait_until(lambda: received.update(_finished(side, set())[1]) or "A" in received, 5)
         assert _finished(side, set()) == (set(), set())  # reported once, never as a save
-    finally:
-        late.set()
-        side.shutdown()
 
 
 def test_a_save_given_up_on_holds_its_blocks_until_the_late_read_is_done():
     """Freed too early, the block's next owner's KV would be stored under this key."""
-    pool = InMemoryPool()
-    late = pool.late = threading.Event()
-    side, layers = _worker(pool)
-    try:
+    with _late_side(pooled=False) as (pool, late, side, layers):
         layers[0][2].fill_(3.0)
         layers[1][2].fill_(3.0)
         side.wait_for_save(PoolConnectorMetadata(saves=[BlockTransfer("S", ("s",), (2,))]))
@@ -120,9 +122,6 @@ def test_a_save_given_up_on_holds_its_blocks_until_the_late_read_is_done():
         sent: set[str] = set()
         wait_until(lambda: sent.update(_finished(side, set())[0]) or "S" in sent, 5)
         assert pool.exists(["s"]) == [True]
-    finally:
-        late.set()
-        side.shutdown()
 
 
 def test_a_staged_load_given_up_on_keeps_the_staging_buffer_until_it_is_done():
