@@ -463,9 +463,7 @@ class Pipeline:
                 raise InvalidRequest(f"no instance {iid!r}", param="instances")
             targets.append(inst)
         dispatch = self.route(prep)
-        dispatch.announce()
-        if dispatch.decode is not dispatch.prefill:  # no decode follows: nothing lands there
-            dispatch.withdraw(dispatch.decode.instance_id)
+        dispatch.announce()  # (no decode follows: nothing is predicted on the decode instance)
         try:
             await self._prefill(dispatch, prep, outcome)
         except WorkerFailure as f:

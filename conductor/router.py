@@ -243,11 +243,13 @@ class Dispatch:
         p.add_prefill(self.request_id, n, r.uncached_tokens, r.prefill_s, now)
         finish = now + r.predicted_ttft_s + self.max_tokens * r.predicted_tbt_s
         d.add_decode(self.request_id, n, finish)
-        # what this request will leave behind, until events or replies confirm it
+        # What this request will leave behind, until events or replies confirm it: in the
+        # prefilling engine's cache from now on (a request queued behind it there finds the
+        # prefix computed; its queue is priced); in the pool and a disaggregated route's
+        # decode instance only once the prefill is done (`first_token`, `prefill_done`).
+        # Predicted there at once, a prompt of a prefix still being computed was priced as a
+        # pool hit on another engine, which then computed it all again (bench-e2e run 7).
         idx.predict(self.prefill.instance_id, self.block_hashes, now)
-        idx.predict(POOL, self.block_hashes, now)
-        if r.disaggregated:
-            idx.predict(self.decode.instance_id, self.block_hashes, now)
         c = self.router.counters
         c.routed += 1
         c.local_prefills += not r.disaggregated
@@ -291,10 +293,13 @@ class Dispatch:
     def first_token(self) -> None:
         now = time.monotonic()
         self._first_token_at = self._last_token_at = now
-        if self._prefill_open:  # prefilled by the decode instance itself
+        if self._prefill_open:  # prefilled by the decode instance itself, saving it now
+            self.router.index.predict(POOL, self.block_hashes, now)
             solo, service = self._end_prefill(now)
             r = self.route
             self._timed(r.uncached_tokens, r.cached_blocks * self.block_size, service, solo)
+        else:  # the decode instance loaded the prefill's blocks
+            self.router.index.predict(self.decode.instance_id, self.block_hashes, now)
 
     def _timed(self, uncached: int, cached: int, seconds: float, exact: bool) -> bool:
         """Whether a prefill's timing is one for the model (an engine's first prefill pays
@@ -352,12 +357,8 @@ class Dispatch:
 
     def withdraw(self, instance_id: str) -> None:
         """The request will leave nothing on that instance (it failed there, or will not run
-        there): take back what it was predicted to leave there (and, while its prefill is
-        open there, in the pool)."""
-        idx = self.router.index
-        idx.withdraw(instance_id, self.block_hashes)
-        if instance_id == self.prefill.instance_id and self._prefill_open:
-            idx.withdraw(POOL, self.block_hashes)
+        there): take back what it was predicted to leave there."""
+        self.router.index.withdraw(instance_id, self.block_hashes)
 
     def release(self) -> None:
         """End the request's load wherever it is still counted; idempotent."""

@@ -77,8 +77,9 @@ async def test_dispatch_counts_load_at_once_and_releases_it_once(model_dir):
     # the next identical request sees the first one's queue and its predicted blocks
     second = router.route("b", tokens, hashes, 16, BS)
     assert second.prefill.instance_id != first.prefill.instance_id or second.route.cached_blocks
-    assert router.index.match(hashes).pool == len(hashes)
+    assert router.index.match(hashes).pool == 0  # not before the prefill is done
     first.prefill_done(1000, 0, len(hashes), 0.2)
+    assert router.index.match(hashes).pool == len(hashes)
     first.first_token()
     first.tokens([5, 6, 7])
     first.decode_done()
@@ -88,6 +89,29 @@ async def test_dispatch_counts_load_at_once_and_releases_it_once(model_dir):
     second.release()
     assert all(i.load.in_flight() == 0 and i.load.kv_tokens == 0 for i in registry.all())
     assert router.counters.routed == 2
+    await registry.close()
+
+
+async def test_a_prefix_still_being_computed_is_no_pool_hit_elsewhere(model_dir):
+    """bench-e2e run 7: a second prompt of a prefix another engine was still computing was
+    priced as a pool hit on an idle engine, which then computed the prefix all over again (the
+    pool had nothing yet). The blocks count in the pool once the prefill is done, and on the
+    decode instance once it has its first token; in the prefilling engine's cache at once."""
+    router, registry = await _router(model_dir, disaggregate="auto")
+    tokens = list(range(1000))
+    hashes = tuple(block_hashes(tokens, BS))
+    first = router.route("a", tokens, hashes, 16, BS)
+    match = router.index.match(hashes)
+    assert match.pool == 0 and match.local == {first.prefill.instance_id: len(hashes)}
+    second = router.route("b", tokens + [1] * 40, hashes + (7,), 16, BS)
+    if second.prefill.instance_id != first.prefill.instance_id:
+        assert second.route.cached_blocks == 0  # computed, and priced so
+    first.prefill_done(1000, 0, len(hashes), 0.2)
+    assert router.index.match(hashes).pool == len(hashes)
+    first.first_token()
+    assert router.index.match(hashes).local[first.decode.instance_id] == len(hashes)
+    for d in (first, second):
+        d.release()
     await registry.close()
 
 
