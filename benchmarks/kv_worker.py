@@ -62,14 +62,13 @@ def serve(args: argparse.Namespace) -> None:
         expected = layers
         layers = [torch.zeros_like(t) for t in expected]
     segment = args.blocks * shape.block_bytes + 64 * MiB if args.own_segment else 0
+    client = args.store_client.split(",")  # address,segment (or "")
     pool = MooncakePool(PoolConfig(master_addr=args.master, metadata_url=args.metadata,
                                    segment_bytes=segment, op_timeout_s=30.0,
                                    prefer_local_segment=args.own_segment or bool(args.store_client),
-                                   store_client=args.store_client.split(",")[0],
-                                   store_client_segment=args.store_client.split(",")[-1]),
+                                   store_client=client[0], store_client_segment=client[-1]),
                         io_threads=max(4, args.max_threads))
     if args.store_client:
-        args.store_client = args.store_client.split(",")[0]
         # The cache in memory the standalone client maps (as the connector's
         # get_mem_pool_context makes vLLM allocate it): one backing buffer, per-layer views.
         import ctypes
