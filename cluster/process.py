@@ -78,12 +78,16 @@ class ManagedProcess:
         log_path: Path,
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
+        scratch: str | None = None,
     ) -> None:
+        """`scratch`: a directory of the child's own (its sockets, say), removed once the
+        child is reaped by `stop` or `kill`."""
         self.name = name
         self.argv = list(argv)
         self.log_path = log_path
         self.env = dict(os.environ if env is None else env)
         self.cwd = cwd
+        self.scratch = scratch
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> ManagedProcess:
@@ -131,6 +135,7 @@ class ManagedProcess:
         self.signal_group(signal.SIGKILL)
         if self.proc is not None:
             self.proc.wait()
+        self._reaped()
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM the group, wait up to `timeout`, then SIGKILL what is left."""
@@ -144,6 +149,11 @@ class ManagedProcess:
         # Grandchildren may outlive a child that exited on SIGTERM: sweep the group.
         self.signal_group(signal.SIGKILL)
         self.proc.wait()
+        self._reaped()
+
+    def _reaped(self) -> None:
+        if self.scratch:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
     def tail(self, lines: int = 40) -> str:
         try:

@@ -50,6 +50,9 @@ BACKGROUND_ENV = "KVCLUSTER_ENGINE_BACKGROUND"
 process of the engine by `worker/vllm_plugin.py`."""
 STEP_CONTEXT_ENV = "KVCLUSTER_STEP_CONTEXT_TOKENS"
 """`Engine.step_context`, read by the engine core (`worker.step_budget`)."""
+STEP_TOKENS_ENV = "KVCLUSTER_STEP_TOKENS"
+"""`Engine.step_tokens` of an engine with a `step_context`, read by the engine core (its vLLM
+budget is then vLLM's: the one of a step with no stream to hold up)."""
 
 RESERVED_CORES = 1
 """Cores kept for the serving processes when there is more than one."""
@@ -122,9 +125,11 @@ class Engine:
     """With `step_tokens`: the context at which the budget is halved, each step's budget
     shrinking with the context its prompt chunk attends to (`worker.step_budget`; 0: fixed)."""
     step_tokens: int = 0
-    """Tokens one step of it may compute (`--max-num-batched-tokens`; 0: vLLM's 2048): set
-    for CPU engines that decode, so that a prompt is prefilled in chunks between the token
-    steps of the streams it shares the engine with. One core prefills the benchmark model
+    """Tokens one step of it may compute while streams run on it (0: vLLM's 2048; with a
+    `step_context` a step with no stream gets vLLM's, `worker.step_budget`; without, every
+    step gets this one, `--max-num-batched-tokens`): set for CPU engines that decode, so that
+    a prompt is prefilled in chunks between the token steps of the streams it shares the
+    engine with. One core prefills the benchmark model
     (25.7M parameters) at ~0.4 ms a token (`make bench-e2e`'s model; 128 tokens 53 ms, 2048
     in 940 ms, one step each; chunked by 256, 2% slower in all), so vLLM's default budget
     holds every stream ~1 s whenever a 2048-token prompt arrives, ten times a 100 ms TBT SLO;
@@ -176,6 +181,7 @@ class Shape:
                            + (f" (scheduler on {e.engine_core_cpus})" if e.engine_core_cpus
                               else "")
                            + (f" {e.step_tokens}-token steps" if e.step_tokens else "")
+                           + (" beside streams" if e.step_tokens and e.step_context else "")
                            + (" beside the serving processes" if e.side else "")
                            for e in self.engines)
         serving = f"; serving processes on cores {self.serving_cpus}" if self.serving_cpus else ""

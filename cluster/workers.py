@@ -13,7 +13,14 @@ from cluster import loopback
 from cluster.engine_spec import EngineSpec
 from cluster.ports import free_port
 from cluster.process import ManagedProcess
-from cluster.shape import BACKGROUND_ENV, SPIN_ENV, STEP_CONTEXT_ENV, WORKER_SPIN_ENV, Engine
+from cluster.shape import (
+    BACKGROUND_ENV,
+    SPIN_ENV,
+    STEP_CONTEXT_ENV,
+    STEP_TOKENS_ENV,
+    WORKER_SPIN_ENV,
+    Engine,
+)
 
 ROLES = ("prefill", "decode", "both")
 CPU_ENGINE_SPIN_S = "0.01"
@@ -87,8 +94,8 @@ class WorkerSpec(EngineSpec):
             argv += ["--engine-core-cpus", placement.engine_core_cpus]
         if placement is not None and placement.side:
             argv += ["--side", "true"]
-        if placement is not None and placement.step_tokens:
-            argv += ["--max-num-batched-tokens", str(placement.step_tokens)]
+        if placement is not None and placement.step_tokens and not placement.step_context:
+            argv += ["--max-num-batched-tokens", str(placement.step_tokens)]  # fixed
         if self.secret_file:
             argv += ["--secret-file", self.secret_file]
         if self.tls_dir:
@@ -111,6 +118,7 @@ class WorkerSpec(EngineSpec):
             env[BACKGROUND_ENV] = "1"
         if placement is not None and placement.step_tokens and placement.step_context:
             env[STEP_CONTEXT_ENV] = str(placement.step_context)
+            env[STEP_TOKENS_ENV] = str(placement.step_tokens)
         env.update(dict(self.env))
         # its worker binds loopback (WorkerConfig.host), and so does its engine's Mooncake
         env = loopback.env("127.0.0.1", env)

@@ -178,3 +178,19 @@ def test_children_started_on_cores_run_there_and_the_rest_where_the_parent_runs(
     finally:
         pinned.kill()
         free.kill()
+
+
+def test_a_childs_scratch_directory_goes_once_it_is_reaped(tmp_path):
+    """`ManagedProcess(scratch=...)`: the directory (a vLLM server's sockets, which vLLM leaves
+    behind) is removed by `stop` and by `kill`, not before."""
+    from cluster.process import ManagedProcess
+
+    for end in ("stop", "kill"):
+        scratch = tmp_path / end
+        scratch.mkdir()
+        (scratch / "sock").write_text("")
+        p = ManagedProcess(end, ["sleep", "30"], tmp_path / f"{end}.log",
+                           scratch=str(scratch)).start()
+        assert scratch.is_dir()
+        getattr(p, end)()
+        assert not p.alive() and not scratch.exists()

@@ -6,6 +6,7 @@ from cluster.shape import (
     SIDE_STEP_TOKENS_PER_THREAD,
     STEP_CONTEXT_ENV,
     STEP_CONTEXT_TOKENS,
+    STEP_TOKENS_ENV,
     STEP_TOKENS_PER_THREAD,
     choose,
 )
@@ -103,11 +104,10 @@ def test_the_worker_is_started_with_its_engine_core_placed_and_its_worker_spinni
     assert decode_argv[decode_argv.index("--engine-core-cpus") + 1] == "0"
     assert decode_argv[decode_argv.index("--engine-cpus") + 1] == "1"
     assert decode_env[WORKER_SPIN_ENV] == "1" and decode_env[SPIN_ENV] == "0.01"
-    assert "--max-num-batched-tokens" not in prefill_argv
-    assert decode_argv[decode_argv.index("--max-num-batched-tokens") + 1] == \
-        str(STEP_TOKENS_PER_THREAD)
+    assert "--max-num-batched-tokens" not in prefill_argv + decode_argv  # vLLM's, alone
+    assert decode_env[STEP_TOKENS_ENV] == str(STEP_TOKENS_PER_THREAD)  # beside streams
     assert decode_env[STEP_CONTEXT_ENV] == str(STEP_CONTEXT_TOKENS)  # its budget in time
-    assert STEP_CONTEXT_ENV not in prefill_env
+    assert STEP_CONTEXT_ENV not in prefill_env and STEP_TOKENS_ENV not in prefill_env
     started.clear()
     for e in choose([0, 1]).engines:  # the side engine announces itself
         spec.start(e.role, e.cpu_bind, port=1, placement=e)

@@ -20,8 +20,9 @@ kill the engine (`_chunkable_cpu_seeds`).
 
 `KVCLUSTER_STEP_LOG=<dir>`: the engine core records its step times there (`worker.step_log`).
 
-`KVCLUSTER_STEP_CONTEXT_TOKENS=<h>`: the engine core's step budget shrinks with the context its
-prompt chunks attend to, halved at `h` tokens (`worker.step_budget`).
+`KVCLUSTER_STEP_CONTEXT_TOKENS=<h>` and `KVCLUSTER_STEP_TOKENS=<b>`: while streams run, the engine
+core's steps carry `b` tokens, fewer as the context their prompt chunks attend to grows (half at
+`h`); while none runs, the engine's whole budget (`worker.step_budget`).
 
 `KVCLUSTER_ENGINE_BACKGROUND` (set by the launcher for `cluster.shape.Engine.background`): the
 engine's processes (engine core, model worker), not the worker's front end that starts them,
@@ -35,7 +36,13 @@ from __future__ import annotations
 
 import os
 
-from cluster.shape import BACKGROUND_ENV, SPIN_ENV, STEP_CONTEXT_ENV, WORKER_SPIN_ENV
+from cluster.shape import (
+    BACKGROUND_ENV,
+    SPIN_ENV,
+    STEP_CONTEXT_ENV,
+    STEP_TOKENS_ENV,
+    WORKER_SPIN_ENV,
+)
 from worker import step_budget, step_log
 
 CPU_SEEDS_ENV = "KVCLUSTER_CPU_SEEDS"
@@ -45,8 +52,8 @@ CPU_SEEDS_ENV = "KVCLUSTER_CPU_SEEDS"
 def register() -> None:
     if os.environ.get(step_log.ENV):
         step_log.install(os.environ[step_log.ENV])
-    if os.environ.get(STEP_CONTEXT_ENV):
-        step_budget.install(int(os.environ[STEP_CONTEXT_ENV]))
+    if os.environ.get(STEP_CONTEXT_ENV) and os.environ.get(STEP_TOKENS_ENV):
+        step_budget.install(int(os.environ[STEP_CONTEXT_ENV]), int(os.environ[STEP_TOKENS_ENV]))
     _spin()
     if os.environ.get(CPU_SEEDS_ENV):
         _chunkable_cpu_seeds()

@@ -27,6 +27,7 @@ import http.client
 import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from embedded import ClusterSpec, EmbeddedCluster
 from protos import worker_pb2
 from store.master import StoreClientService, StoreMaster
 from store.namespace import kv_namespace
+from worker.engine import IPC_ENV
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -233,9 +235,10 @@ def _vllm_serve(name: str, e: Engines, run_dir: Path, kv_cache_bytes: int,
             "--enable-prefix-caching"]
     if connector is not None:
         argv += ["--kv-transfer-config", json.dumps(connector)]
-    env = {**_engine_env(), **e.env(threads)}
+    ipc = tempfile.mkdtemp(prefix="vllm-ipc-")  # vLLM leaves its sockets behind
+    env = {**_engine_env(), **e.env(threads), IPC_ENV: ipc}
     proc = ManagedProcess(name, argv, run_dir / f"{name}.log", env=env,
-                          cwd=str(Path(__file__).resolve().parents[2])).start()
+                          cwd=str(Path(__file__).resolve().parents[2]), scratch=ipc).start()
     return proc, f"http://127.0.0.1:{port}"
 
 
