@@ -153,7 +153,10 @@ class Engine:
     1.36-2.41, 1.51-1.68 on the trace against 1.54-2.67, 0.30-0.54 on low_reuse against
     0.58-0.96, TBT p99 43-50 ms against 51-82, every request served within its SLOs. A model
     ten times larger prefills ten times slower per token: this is a default for the tiny
-    models here, not a measurement of the one being served."""
+    models here, not a measurement of the one being served. Where no stream runs, a step
+    takes vLLM's budget (a cold 2,252-token prompt in 265 + 66 ms on one core against 662 ms
+    in the streams' steps; `make bench-e2e` A/B of 2026-11-26 19:54: arm 1's TTFT p99 0.63 s
+    against 1.15 on shared_prefix, 0.80 against 1.60 on the trace, token gaps shorter)."""
 
 
 @dataclass(frozen=True)
