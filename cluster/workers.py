@@ -26,6 +26,9 @@ ROLES = ("prefill", "decode", "both")
 CPU_ENGINE_SPIN_S = "0.01"
 """How long the vLLM processes of a CPU engine busy-wait for the next message
 (`worker/vllm_plugin.py`, `Engine.busy_wait`; 0 hung the engine)."""
+VLLM_STEP_TOKENS = 2048
+"""vLLM's default budget (`max_num_batched_tokens` of a served CPU engine): the budget of a
+step with no stream to hold up, where the streams' own is smaller (`worker.step_budget`)."""
 VLLM_SPIN_S = "1"
 """vLLM's own: for the model worker of an engine with a core of its own."""
 
@@ -94,8 +97,10 @@ class WorkerSpec(EngineSpec):
             argv += ["--engine-core-cpus", placement.engine_core_cpus]
         if placement is not None and placement.side:
             argv += ["--side", "true"]
-        if placement is not None and placement.step_tokens and not placement.step_context:
-            argv += ["--max-num-batched-tokens", str(placement.step_tokens)]  # fixed
+        if placement is not None and placement.step_tokens and (
+                not placement.step_context or placement.step_tokens > VLLM_STEP_TOKENS):
+            # fixed; or the streams' budget above vLLM's, which is then every step's
+            argv += ["--max-num-batched-tokens", str(placement.step_tokens)]
         if self.secret_file:
             argv += ["--secret-file", self.secret_file]
         if self.tls_dir:

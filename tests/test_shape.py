@@ -109,6 +109,12 @@ def test_the_worker_is_started_with_its_engine_core_placed_and_its_worker_spinni
     assert decode_env[STEP_CONTEXT_ENV] == str(STEP_CONTEXT_TOKENS)  # its budget in time
     assert STEP_CONTEXT_ENV not in prefill_env and STEP_TOKENS_ENV not in prefill_env
     started.clear()
+    big = choose(list(range(33)), step_tokens=4096).engines[0]
+    spec.start(big.role, big.role, port=1, placement=big)  # above vLLM's: every step's then
+    ((big_argv, big_env),) = started
+    assert big_argv[big_argv.index("--max-num-batched-tokens") + 1] == "4096"
+    assert big_env[STEP_TOKENS_ENV] == "4096"
+    started.clear()
     for e in choose([0, 1]).engines:  # the side engine announces itself
         spec.start(e.role, e.cpu_bind, port=1, placement=e)
     (home_argv, _), (side_argv, side_env) = started
