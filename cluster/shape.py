@@ -52,7 +52,8 @@ STEP_CONTEXT_ENV = "KVCLUSTER_STEP_CONTEXT_TOKENS"
 """`Engine.step_context`, read by the engine core (`worker.step_budget`)."""
 STEP_TOKENS_ENV = "KVCLUSTER_STEP_TOKENS"
 """`Engine.step_tokens` of an engine with a `step_context`, read by the engine core (its vLLM
-budget is then vLLM's: the one of a step with no stream to hold up)."""
+budget, a step's with no stream to hold up, is then vLLM's, or this one where it is larger:
+`cluster.workers.VLLM_STEP_TOKENS`)."""
 
 RESERVED_CORES = 1
 """Cores kept for the serving processes when there is more than one."""
@@ -126,10 +127,10 @@ class Engine:
     shrinking with the context its prompt chunk attends to (`worker.step_budget`; 0: fixed)."""
     step_tokens: int = 0
     """Tokens one step of it may compute while streams run on it (0: vLLM's 2048; with a
-    `step_context` a step with no stream gets vLLM's, `worker.step_budget`; without, every
-    step gets this one, `--max-num-batched-tokens`): set for CPU engines that decode, so that
-    a prompt is prefilled in chunks between the token steps of the streams it shares the
-    engine with. One core prefills the benchmark model
+    `step_context` a step with no stream gets vLLM's where that is larger,
+    `worker.step_budget`; without, every step gets this one, `--max-num-batched-tokens`): set
+    for CPU engines that decode, so that a prompt is prefilled in chunks between the token
+    steps of the streams it shares the engine with. One core prefills the benchmark model
     (25.7M parameters) at ~0.4 ms a token (`make bench-e2e`'s model; 128 tokens 53 ms, 2048
     in 940 ms, one step each; chunked by 256, 2% slower in all), so vLLM's default budget
     holds every stream ~1 s whenever a 2048-token prompt arrives, ten times a 100 ms TBT SLO;
