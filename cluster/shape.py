@@ -54,6 +54,8 @@ STEP_TOKENS_ENV = "KVCLUSTER_STEP_TOKENS"
 """`Engine.step_tokens` of an engine with a `step_context`, read by the engine core (its vLLM
 budget, a step's with no stream to hold up, is then vLLM's, or this one where it is larger:
 `cluster.workers.VLLM_STEP_TOKENS`)."""
+STEP_MS_ENV = "KVCLUSTER_STEP_MS"
+"""`STEP_TARGET_MS`, for every engine with a `step_context` (`worker.step_budget`)."""
 
 RESERVED_CORES = 1
 """Cores kept for the serving processes when there is more than one."""
@@ -67,6 +69,12 @@ STEP_TOKENS_PER_THREAD = 256
 STEP_CONTEXT_TOKENS = 2000
 """The context at which a CPU engine's step budget is halved (`worker.step_budget`): measured
 1,940 for the bench-e2e model in bfloat16 on one core (a token there costs twice one at none)."""
+STEP_TARGET_MS = 50
+"""How long a step that carries streams' tokens may take with a prompt chunk beside them: the
+engine learns what that buys in tokens from its own steps (`worker.step_budget`). Half the
+default TBT SLO (100 ms at the 90th percentile of a request's gaps), so that a stream's gaps
+stay within it with the decode-only steps between; on the AMX Xeon of 2026-11-26 a 256-token
+step at a prompt's start took 45-49 ms (`STEP_TOKENS_PER_THREAD`)."""
 SIDE_ENGINE_MAX_CORES = 4
 """Up to this many cores the chosen shape adds a side engine on the serving cores: there
 they are a large share of the machine's compute (half of it on 2 cores), left idle by the

@@ -17,6 +17,8 @@ from cluster.shape import (
     BACKGROUND_ENV,
     SPIN_ENV,
     STEP_CONTEXT_ENV,
+    STEP_MS_ENV,
+    STEP_TARGET_MS,
     STEP_TOKENS_ENV,
     WORKER_SPIN_ENV,
     Engine,
@@ -124,6 +126,7 @@ class WorkerSpec(EngineSpec):
         if placement is not None and placement.step_tokens and placement.step_context:
             env[STEP_CONTEXT_ENV] = str(placement.step_context)
             env[STEP_TOKENS_ENV] = str(placement.step_tokens)
+            env[STEP_MS_ENV] = str(STEP_TARGET_MS)
         env.update(dict(self.env))
         # its worker binds loopback (WorkerConfig.host), and so does its engine's Mooncake
         env = loopback.env("127.0.0.1", env)

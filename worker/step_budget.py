@@ -1,27 +1,40 @@
 """A step budget for an engine whose prompts are prefilled between its streams' tokens: while
-streams run, small and shrinking with the context the step's prompt chunk attends to, so that
-a step takes about as long at the end of a long prompt as at its start; while none runs, the
-engine's whole configured budget.
+streams run, as many prompt tokens as fit a target step time, fewer as the context the step's
+prompt chunk attends to grows; while none runs, the engine's whole configured budget.
 
-vLLM's budget (`max_num_batched_tokens`) is a token count fixed at start, but a token's cost
-grows with the context it attends to. Measured with the bench-e2e model on one core
-(2026-11-26, a 3,500-token prompt in 128-token steps): a step took 26 ms at the prompt's start
-and 54 at 3,400 tokens in bfloat16 (62 and 142 in float32); fitted over 64-, 128- and 256-token
-steps, `15 ms + k * (0.10 ms + 5.2e-5 ms * c)` for `k` tokens at context `c`: a token at 1,940
-tokens of context costs twice one at none. So with `KVCLUSTER_STEP_CONTEXT_TOKENS=<h>` and
-`KVCLUSTER_STEP_TOKENS=<b>` in an engine's environment (`cluster.shape.Engine.step_context`,
-`step_tokens`), a step that carries a stream's token gets `b * h / (h + c)` tokens, `c` the
-longest context a running prompt has reached, never fewer than its streams' plus `MIN_CHUNK`
-(so no stream misses a step). A step with no stream to hold up gets the configured budget
-(vLLM's, 2048 unless set): no one waits on its end but the requests queued behind the prompt,
-which vLLM schedules only once the prompt's last chunk leaves budget over, so they wait for
-the whole prefill either way, and fewer steps finish it sooner (each step costs its own
-~15 ms, and a cold 2,000-token prompt takes 14 steps at the streams' budget)."""
+vLLM's budget (`max_num_batched_tokens`) is a token count fixed at start, but a step's time
+is not: it grows with the context a prompt token attends to, and differs by an order of
+magnitude between machines. Measured with the bench-e2e model on one core in bfloat16
+(2026-11-26): a 128-token step took 26 ms at a prompt's start and 54 ms at 3,400 tokens of
+context on a Xeon with AMX; fitted over 64-, 128- and 256-token steps, `15 ms + k * (0.10 ms
++ 5.2e-5 ms * c)` for `k` tokens at context `c` (a token at 1,940 tokens of context costs
+twice one at none). On the AMD EPYC (AVX-512 bf16, no AMX) the project moved to the same
+day, 256-token steps took 86-134 ms: a fixed budget set on one machine broke the TBT SLO on
+the other. So the budget is set in time, and each engine learns its own cost (`StepCost`).
+
+With `KVCLUSTER_STEP_CONTEXT_TOKENS=<h>`, `KVCLUSTER_STEP_TOKENS=<b>` and
+`KVCLUSTER_STEP_MS=<t>` in an engine's environment (`cluster.shape.Engine.step_context`,
+`step_tokens`, `cluster.shape.STEP_TARGET_MS`), a step that carries a stream's token gets the
+prompt tokens that its engine's own steps say take `t` ms at context `c` (the longest a
+running prompt has reached), never fewer than its streams' plus `MIN_CHUNK` (so no stream
+misses a step) nor more than the engine's budget; until its first prompt step has been
+timed, `b * h / (h + c)`. A step with no stream to hold up gets the configured budget
+(vLLM's, 2048 unless set): no one waits on its end but the requests queued behind the
+prompt, which vLLM schedules only once the prompt's last chunk leaves budget over, so they
+wait for the whole prefill either way, and fewer steps finish it sooner (each step costs its
+own fixed time, and a cold 2,000-token prompt takes 14 steps at 128-256 tokens)."""
 
 from __future__ import annotations
 
+import time
+
 MIN_CHUNK = 16
 """Prompt tokens a step may always carry beside its streams' (one per stream)."""
+LEARN_RATE = 0.2
+"""Weight of the newest step in `StepCost`'s running averages."""
+MIN_TIMED_TOKENS = 32
+"""Prompt tokens a step needs for its time to teach the per-token cost (below, its fixed
+cost dominates and its noise would)."""
 
 
 def budget(base: int, context: int, half_at: int, streams: int) -> int:
@@ -31,28 +44,85 @@ def budget(base: int, context: int, half_at: int, streams: int) -> int:
     return min(base, max(scaled, streams + MIN_CHUNK))
 
 
-def install(half_at: int, shared: int, scheduler_cls: type | None = None) -> None:
+class StepCost:
+    """An engine's step time, learned from its own steps: `fixed_ms` (a step of streams' tokens
+    alone) plus `unit_ms * (1 + c / half_at)` per prompt token at context `c`, each a running
+    average (`LEARN_RATE`)."""
+
+    def __init__(self, half_at: int) -> None:
+        self.half_at = half_at
+        self.fixed_ms: float | None = None
+        self.unit_ms: float | None = None
+
+    def _weight(self, context: int) -> float:
+        return 1 + max(context, 0) / self.half_at
+
+    def observe(self, ms: float, prompt_tokens: int, context: int) -> None:
+        """One step that took `ms` and carried `prompt_tokens` prompt tokens at `context`."""
+        if prompt_tokens <= 0:
+            self.fixed_ms = ms if self.fixed_ms is None else (
+                self.fixed_ms + LEARN_RATE * (ms - self.fixed_ms))
+            return
+        if prompt_tokens < MIN_TIMED_TOKENS:
+            return
+        unit = max(ms - (self.fixed_ms or 0.0), 0.0) / (prompt_tokens * self._weight(context))
+        self.unit_ms = unit if self.unit_ms is None else (
+            self.unit_ms + LEARN_RATE * (unit - self.unit_ms))
+
+    def tokens(self, target_ms: float, context: int) -> int | None:
+        """Prompt tokens a step at `context` can carry in `target_ms` (None: not learned)."""
+        if not self.unit_ms:
+            return None
+        spare = target_ms - (self.fixed_ms or 0.0)
+        return max(int(spare / (self.unit_ms * self._weight(context))), 0)
+
+
+def install(half_at: int, shared: int, scheduler_cls: type | None = None,
+            target_ms: float = 0.0, clock=time.monotonic) -> None:  # type: ignore[no-untyped-def]
     """Every step of this process's vLLM scheduler (`scheduler_cls`, default vLLM's
-    `Scheduler`) gets the budget for its running streams and prompts' context: `shared` (at
-    most the configured budget) shrunk by the context while a stream runs, the configured one
-    while none does (idempotent)."""
+    `Scheduler`) gets the budget for its running streams and prompts' context: while a
+    stream runs, what fits `target_ms` by the engine's learned `StepCost` (before it has
+    learned, or with no target, `shared` shrunk by the context), at most the configured
+    budget; while none runs, the configured one (idempotent; `clock`: seconds)."""
     if scheduler_cls is None:
         from vllm.v1.core.sched.scheduler import Scheduler as scheduler_cls
     if getattr(scheduler_cls, "_kvcluster_step_context", None) is not None:
         return
-    original = scheduler_cls.schedule
+    original, update = scheduler_cls.schedule, scheduler_cls.update_from_output
 
     def schedule(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         solo = self.__dict__.setdefault("_kvcluster_base_budget", self.max_num_scheduled_tokens)
+        cost = self.__dict__.setdefault("_kvcluster_step_cost", StepCost(half_at))
         context, streams = 0, 0
         for r in self.running:
             if r.num_computed_tokens < r.num_prompt_tokens:
                 context = max(context, r.num_computed_tokens)
             else:
                 streams += 1
-        self.max_num_scheduled_tokens = (
-            budget(min(shared, solo), context, half_at, streams) if streams else solo)
-        return original(self, *args, **kwargs)
+        if not streams:
+            allowed = solo
+        else:
+            learned = cost.tokens(target_ms, context) if target_ms else None
+            allowed = budget(min(shared, solo), context, half_at, streams) if learned is None \
+                else min(solo, max(streams + learned, streams + MIN_CHUNK))
+        self.max_num_scheduled_tokens = allowed
+        out = original(self, *args, **kwargs)
+        if out.total_num_scheduled_tokens:
+            pending = self.__dict__.setdefault("_kvcluster_pending", {})
+            if len(pending) > 8:  # outputs never updated (not vLLM's way): forget them
+                pending.clear()
+            pending[id(out)] = (
+                clock(), out.total_num_scheduled_tokens - streams, context)
+        return out
+
+    def update_from_output(self, scheduler_output, *args, **kwargs):  # type: ignore[no-untyped-def]
+        started = self.__dict__.get("_kvcluster_pending", {}).pop(id(scheduler_output), None)
+        if started is not None:
+            start, prompt_tokens, context = started
+            self._kvcluster_step_cost.observe(
+                (clock() - start) * 1e3, prompt_tokens, context)
+        return update(self, scheduler_output, *args, **kwargs)
 
     scheduler_cls.schedule = schedule
+    scheduler_cls.update_from_output = update_from_output
     scheduler_cls._kvcluster_step_context = half_at

@@ -20,9 +20,11 @@ kill the engine (`_chunkable_cpu_seeds`).
 
 `KVCLUSTER_STEP_LOG=<dir>`: the engine core records its step times there (`worker.step_log`).
 
-`KVCLUSTER_STEP_CONTEXT_TOKENS=<h>` and `KVCLUSTER_STEP_TOKENS=<b>`: while streams run, the engine
-core's steps carry `b` tokens, fewer as the context their prompt chunks attend to grows (half at
-`h`); while none runs, the engine's whole budget (`worker.step_budget`).
+`KVCLUSTER_STEP_CONTEXT_TOKENS=<h>`, `KVCLUSTER_STEP_TOKENS=<b>` and `KVCLUSTER_STEP_MS=<t>`: while
+streams run, the engine core's steps carry the prompt tokens its own steps say take `t` ms
+(`b` until it has timed one), fewer as the context their prompt chunks attend to grows (a token
+at `h` costing twice one at none); while none runs, the engine's whole budget
+(`worker.step_budget`).
 
 `KVCLUSTER_ENGINE_BACKGROUND` (set by the launcher for `cluster.shape.Engine.background`): the
 engine's processes (engine core, model worker), not the worker's front end that starts them,
@@ -40,6 +42,7 @@ from cluster.shape import (
     BACKGROUND_ENV,
     SPIN_ENV,
     STEP_CONTEXT_ENV,
+    STEP_MS_ENV,
     STEP_TOKENS_ENV,
     WORKER_SPIN_ENV,
 )
@@ -53,7 +56,8 @@ def register() -> None:
     if os.environ.get(step_log.ENV):
         step_log.install(os.environ[step_log.ENV])
     if os.environ.get(STEP_CONTEXT_ENV) and os.environ.get(STEP_TOKENS_ENV):
-        step_budget.install(int(os.environ[STEP_CONTEXT_ENV]), int(os.environ[STEP_TOKENS_ENV]))
+        step_budget.install(int(os.environ[STEP_CONTEXT_ENV]), int(os.environ[STEP_TOKENS_ENV]),
+                            target_ms=float(os.environ.get(STEP_MS_ENV) or 0))
     _spin()
     if os.environ.get(CPU_SEEDS_ENV):
         _chunkable_cpu_seeds()
