@@ -14,11 +14,11 @@ with every core serves a tiny model's requests faster than two with one core eac
   both cores, 4.4 ms on one). Then one `both` engine per `CORES_PER_ENGINE` of the other
   cores (at least one), each bound to cores of its own, so that engines never fight either.
   On a machine of up to `SIDE_ENGINE_MAX_CORES` cores, a side engine on the serving cores as
-  well, at normal priority, with half the step budget: under an open load of long prompts one
-  engine on one core of two queues them all (`make bench-e2e`'s trace: TTFT p50 3 s), and the
-  conductor prices the side engine's tokens a TBT slower each (`SchedulerParams.side_cost`),
-  so it gets the prompts the other's queue would hold longer and short answers, the lone
-  long stream the engine with a core of its own.
+  well, at normal priority, its steps beside streams held to the same time: under an open
+  load of long prompts one engine on one core of two queues them all (`make bench-e2e`'s
+  trace: TTFT p50 3 s), and the conductor prices the side engine's tokens a TBT slower each
+  (`SchedulerParams.side_cost`), so it gets the prompts the other's queue would hold longer
+  and short answers, the lone long stream the engine with a core of its own.
 
 An explicit shape (`--prefill N --decode N --both N`) gets the cores shared out the same way
 (the serving core kept while there are more cores than engines); engines outnumbering the
@@ -65,7 +65,8 @@ a second engine only pays once the first has cores it cannot use well (not measu
 this machine's 2 cores; override with --both N)."""
 STEP_TOKENS_PER_THREAD = 256
 """Prompt tokens a CPU engine that decodes computes per step and OpenMP thread at no context
-(`Engine.step_tokens`, `Engine.step_context`)."""
+beside streams until it has timed a step of its own (`Engine.step_tokens`,
+`Engine.step_context`); from then on `STEP_TARGET_MS` sets it."""
 STEP_CONTEXT_TOKENS = 2000
 """The context at which a CPU engine's step budget is halved (`worker.step_budget`): measured
 1,940 for the bench-e2e model in bfloat16 on one core (a token there costs twice one at none)."""
@@ -83,10 +84,11 @@ workload, goodput over vllm-router P/D's: 0.63 without it in run 3, 1.28 with it
 bench-serve` unchanged, the side engine decoding 0-3 of 128 requests); on more cores the
 serving core is a small share and the serving processes' own load grows with the engines."""
 SIDE_STEP_TOKENS_PER_THREAD = 128
-"""The side engine's step budget: half the others', since it computes between the serving
-processes' turns on its core (in float32, with 128 its streams' p90 token gap passed 100 ms
-under the trace workload's long prompts: 5 of 48 requests; with 64, none of its own; in
-bfloat16 128, with the budget shrinking as the context grows, `STEP_CONTEXT_TOKENS`)."""
+"""The side engine's step budget until it has timed a step (`STEP_TOKENS_PER_THREAD`): half the
+others', since it computes between the serving processes' turns on its core (in float32,
+with 128 its streams' p90 token gap passed 100 ms under the trace workload's long prompts: 5
+of 48 requests; with 64, none of its own; in bfloat16 128, with the budget shrinking as the
+context grows, `STEP_CONTEXT_TOKENS`)."""
 
 
 @dataclass(frozen=True)
@@ -161,8 +163,13 @@ class Engine:
     run 6's 3, 2026-11-26 13:52): arm 1's TTFT p99 1.04-1.21 s on shared_prefix against
     1.36-2.41, 1.51-1.68 on the trace against 1.54-2.67, 0.30-0.54 on low_reuse against
     0.58-0.96, TBT p99 43-50 ms against 51-82, every request served within its SLOs. A model
-    ten times larger prefills ten times slower per token: this is a default for the tiny
-    models here, not a measurement of the one being served. Where no stream runs, a step
+    ten times larger prefills ten times slower per token, and a CPU without AMX several times
+    slower: since 2026-11-26 22:54 this is only the budget until the engine has timed a step
+    of its own, then what fits `STEP_TARGET_MS` (on the AMD EPYC the project moved to that
+    day, 256-token steps beside streams took 86-134 ms: in bench-e2e, 1 of 24 shared_prefix
+    requests and 1-4 of 24 of the trace's missed the TBT SLO in each of 3 repetitions; in
+    time none did, but 2-3 of the trace's missed the TTFT SLO instead, their prompts computed
+    in smaller chunks: docs/benchmarks.md, "After run 8"). Where no stream runs, a step
     takes vLLM's budget (a cold 2,252-token prompt in 265 + 66 ms on one core against 662 ms
     in the streams' steps; `make bench-e2e` A/B of 2026-11-26 19:54: arm 1's TTFT p99 0.63 s
     against 1.15 on shared_prefix, 0.80 against 1.60 on the trace, token gaps shorter)."""

@@ -6,6 +6,8 @@ from cluster.shape import (
     SIDE_STEP_TOKENS_PER_THREAD,
     STEP_CONTEXT_ENV,
     STEP_CONTEXT_TOKENS,
+    STEP_MS_ENV,
+    STEP_TARGET_MS,
     STEP_TOKENS_ENV,
     STEP_TOKENS_PER_THREAD,
     choose,
@@ -105,9 +107,10 @@ def test_the_worker_is_started_with_its_engine_core_placed_and_its_worker_spinni
     assert decode_argv[decode_argv.index("--engine-cpus") + 1] == "1"
     assert decode_env[WORKER_SPIN_ENV] == "1" and decode_env[SPIN_ENV] == "0.01"
     assert "--max-num-batched-tokens" not in prefill_argv + decode_argv  # vLLM's, alone
-    assert decode_env[STEP_TOKENS_ENV] == str(STEP_TOKENS_PER_THREAD)  # beside streams
-    assert decode_env[STEP_CONTEXT_ENV] == str(STEP_CONTEXT_TOKENS)  # its budget in time
-    assert STEP_CONTEXT_ENV not in prefill_env and STEP_TOKENS_ENV not in prefill_env
+    assert decode_env[STEP_TOKENS_ENV] == str(STEP_TOKENS_PER_THREAD)  # until it has timed one
+    assert decode_env[STEP_MS_ENV] == str(STEP_TARGET_MS)  # beside streams, then
+    assert decode_env[STEP_CONTEXT_ENV] == str(STEP_CONTEXT_TOKENS)  # a token's cost by context
+    assert not {STEP_CONTEXT_ENV, STEP_TOKENS_ENV, STEP_MS_ENV} & set(prefill_env)
     started.clear()
     big = choose(list(range(33)), step_tokens=4096).engines[0]
     spec.start(big.role, big.role, port=1, placement=big)  # above vLLM's: every step's then
