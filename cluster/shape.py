@@ -166,7 +166,7 @@ class Engine:
     ten times larger prefills ten times slower per token, and a CPU without AMX several times
     slower: since 2026-11-26 22:54 this is only the budget until the engine has timed a step
     of its own, then what fits `STEP_TARGET_MS` (on the AMD EPYC the project moved to that
-    day, 256-token steps beside streams took 86-134 ms: in bench-e2e, 1 of 24 shared_prefix
+    day, steps beside streams took 80-118 ms on average: in bench-e2e, 1 of 24 shared_prefix
     requests and 1-4 of 24 of the trace's missed the TBT SLO in each of 3 repetitions; in
     time none did, but 2-3 of the trace's missed the TTFT SLO instead, their prompts computed
     in smaller chunks: docs/benchmarks.md, "After run 8"). Where no stream runs, a step

@@ -9,8 +9,9 @@ magnitude between machines. Measured with the bench-e2e model on one core in bfl
 context on a Xeon with AMX; fitted over 64-, 128- and 256-token steps, `15 ms + k * (0.10 ms
 + 5.2e-5 ms * c)` for `k` tokens at context `c` (a token at 1,940 tokens of context costs
 twice one at none). On the AMD EPYC (AVX-512 bf16, no AMX) the project moved to the same
-day, 256-token steps took 86-134 ms: a fixed budget set on one machine broke the TBT SLO on
-the other. So the budget is set in time, and each engine learns its own cost (`StepCost`).
+day, steps beside streams took 80-118 ms on average: a fixed budget set on one machine broke
+the TBT SLO on the other. So the budget is set in time, and each engine learns its own cost
+(`StepCost`).
 
 With `KVCLUSTER_STEP_CONTEXT_TOKENS=<h>`, `KVCLUSTER_STEP_TOKENS=<b>` and
 `KVCLUSTER_STEP_MS=<t>` in an engine's environment (`cluster.shape.Engine.step_context`,
