@@ -98,7 +98,7 @@ def test_beside_streams_a_step_takes_what_fits_the_target_once_the_engine_has_ti
     install(2000, 256, cls, target_ms=50, clock=lambda: next(clock))
     s = cls()
     s.running = [_Req(3000, 3000)]  # one stream
-    s.update_from_output(s.schedule(1), None)  # a decode step alone: 10 ms
+    s.update_from_output(s.schedule(1), None)  # a decode step alone: 15.625 ms
     s.running.append(_Req(0, 3000))  # a prompt joins at no context
     assert s.update_from_output(s.schedule(257), None) == "outputs"  # untimed: 256 + 1, 140.625 ms
     s.running[1] = _Req(2000, 3000)  # deep into it

@@ -41,8 +41,17 @@ cost dominates and its noise would)."""
 def budget(base: int, context: int, half_at: int, streams: int) -> int:
     """A step's tokens: `base` at no context, half of it at `half_at`; at least `streams`
     + `MIN_CHUNK`, at most `base`."""
-    scaled = base * half_at // (half_at + max(context, 0))
-    return min(base, max(scaled, streams + MIN_CHUNK))
+    return _bounded(base * half_at // (half_at + max(context, 0)), streams, base)
+
+
+def _bounded(tokens: int, streams: int, cap: int) -> int:
+    """`tokens` for a step, but at least every stream's and `MIN_CHUNK`, at most `cap`."""
+    return min(cap, max(tokens, streams + MIN_CHUNK))
+
+
+def _average(old: float | None, new: float) -> float:
+    """The running average `old` (None: none yet) moved toward `new` by `LEARN_RATE`."""
+    return new if old is None else old + LEARN_RATE * (new - old)
 
 
 class StepCost:
@@ -61,14 +70,10 @@ class StepCost:
     def observe(self, ms: float, prompt_tokens: int, context: int) -> None:
         """One step that took `ms` and carried `prompt_tokens` prompt tokens at `context`."""
         if prompt_tokens <= 0:
-            self.fixed_ms = ms if self.fixed_ms is None else (
-                self.fixed_ms + LEARN_RATE * (ms - self.fixed_ms))
-            return
-        if prompt_tokens < MIN_TIMED_TOKENS:
-            return
-        unit = max(ms - (self.fixed_ms or 0.0), 0.0) / (prompt_tokens * self._weight(context))
-        self.unit_ms = unit if self.unit_ms is None else (
-            self.unit_ms + LEARN_RATE * (unit - self.unit_ms))
+            self.fixed_ms = _average(self.fixed_ms, ms)
+        elif prompt_tokens >= MIN_TIMED_TOKENS:
+            unit = max(ms - (self.fixed_ms or 0.0), 0.0) / (prompt_tokens * self._weight(context))
+            self.unit_ms = _average(self.unit_ms, unit)
 
     def tokens(self, target_ms: float, context: int) -> int | None:
         """Prompt tokens a step at `context` can carry in `target_ms` (None: not learned)."""
@@ -100,13 +105,13 @@ def install(half_at: int, shared: int, scheduler_cls: type | None = None,
                 context = max(context, r.num_computed_tokens)
             else:
                 streams += 1
+        learned = cost.tokens(target_ms, context) if streams and target_ms else None
         if not streams:
-            allowed = solo
+            self.max_num_scheduled_tokens = solo
+        elif learned is None:
+            self.max_num_scheduled_tokens = budget(min(shared, solo), context, half_at, streams)
         else:
-            learned = cost.tokens(target_ms, context) if target_ms else None
-            allowed = budget(min(shared, solo), context, half_at, streams) if learned is None \
-                else min(solo, max(streams + learned, streams + MIN_CHUNK))
-        self.max_num_scheduled_tokens = allowed
+            self.max_num_scheduled_tokens = _bounded(streams + learned, streams, solo)
         out = original(self, *args, **kwargs)
         if out.total_num_scheduled_tokens:
             pending = self.__dict__.setdefault("_kvcluster_pending", {})
