@@ -55,7 +55,8 @@ STEP_TOKENS_ENV = "KVCLUSTER_STEP_TOKENS"
 budget, a step's with no stream to hold up, is then vLLM's, or this one where it is larger:
 `cluster.workers.VLLM_STEP_TOKENS`)."""
 STEP_MS_ENV = "KVCLUSTER_STEP_MS"
-"""`STEP_TARGET_MS`, for every engine with a `step_context` (`worker.step_budget`)."""
+"""`step_target_ms` of the conductor's TBT SLO, for every engine with a `step_context`
+(`worker.step_budget`)."""
 
 RESERVED_CORES = 1
 """Cores kept for the serving processes when there is more than one."""
@@ -66,16 +67,25 @@ this machine's 2 cores; override with --both N)."""
 STEP_TOKENS_PER_THREAD = 256
 """Prompt tokens a CPU engine that decodes computes per step and OpenMP thread at no context
 beside streams until it has timed a step of its own (`Engine.step_tokens`,
-`Engine.step_context`); from then on `STEP_TARGET_MS` sets it."""
+`Engine.step_context`); from then on `step_target_ms` sets it."""
 STEP_CONTEXT_TOKENS = 2000
 """The context at which a CPU engine's step budget is halved (`worker.step_budget`): measured
 1,940 for the bench-e2e model in bfloat16 on one core (a token there costs twice one at none)."""
-STEP_TARGET_MS = 50
-"""How long a step that carries streams' tokens may take with a prompt chunk beside them: the
-engine learns what that buys in tokens from its own steps (`worker.step_budget`). Half the
-default TBT SLO (100 ms at the 90th percentile of a request's gaps), so that a stream's gaps
-stay within it with the decode-only steps between; on the AMX Xeon of 2026-11-26 a 256-token
-step at a prompt's start took 45-49 ms (`STEP_TOKENS_PER_THREAD`)."""
+STEP_SLO_SHARE = 0.5
+"""How long a step that carries streams' tokens may take with a prompt chunk beside them, as a
+share of the conductor's TBT SLO (`step_target_ms`; the engine learns what that buys in tokens
+from its own steps, `worker.step_budget`): half, so that a stream's gaps stay within the SLO
+with the decode-only steps between. On the AMX Xeon of 2026-11-26 a 256-token step at a
+prompt's start took 45-49 ms (`STEP_TOKENS_PER_THREAD`): half of bench-e2e's TBT SLO (100 ms at
+the 90th percentile of a request's gaps)."""
+
+
+def step_target_ms(tbt_slo_s: float) -> float:
+    """The step target of the engines of a conductor whose default TBT SLO is `tbt_slo_s`.
+    Engine-wide: a request that asks for a stricter TBT SLO of its own is not held to it."""
+    return STEP_SLO_SHARE * tbt_slo_s * 1e3
+
+
 SIDE_ENGINE_MAX_CORES = 4
 """Up to this many cores the chosen shape adds a side engine on the serving cores: there
 they are a large share of the machine's compute (half of it on 2 cores), left idle by the
@@ -165,7 +175,7 @@ class Engine:
     0.58-0.96, TBT p99 43-50 ms against 51-82, every request served within its SLOs. A model
     ten times larger prefills ten times slower per token, and a CPU without AMX several times
     slower: since 2026-11-26 22:54 this is only the budget until the engine has timed a step
-    of its own, then what fits `STEP_TARGET_MS` (on the AMD EPYC the project moved to that
+    of its own, then what fits `step_target_ms` (on the AMD EPYC the project moved to that
     day, steps beside streams took 80-118 ms on average: in bench-e2e, 1 of 24 shared_prefix
     requests and 1-4 of 24 of the trace's missed the TBT SLO in each of 3 repetitions; in
     time none did, but 2-3 of the trace's missed the TTFT SLO instead, their prompts computed

@@ -18,7 +18,6 @@ from cluster.shape import (
     SPIN_ENV,
     STEP_CONTEXT_ENV,
     STEP_MS_ENV,
-    STEP_TARGET_MS,
     STEP_TOKENS_ENV,
     WORKER_SPIN_ENV,
     Engine,
@@ -54,6 +53,10 @@ class WorkerSpec(EngineSpec):
     """The cluster secret every worker is started with (`cluster.secret`); "": none."""
     tls_dir: str = ""
     """The worker plane's TLS files every worker serves with (`cluster.plane_tls`); "": none."""
+    step_target_ms: float = 0.0
+    """How long a step beside streams may take, for engines with a `step_context`: the
+    launcher's `cluster.shape.step_target_ms` of the conductor's TBT SLO; 0: their token
+    budget alone (`worker.step_budget`)."""
     machine_cpus: str = ""
     """Where an engine without cores of its own (unplaced: `ResizePool`, tests) computes when
     the worker is started from a process kept to the serving cores; "": where it starts."""
@@ -126,7 +129,8 @@ class WorkerSpec(EngineSpec):
         if placement is not None and placement.step_tokens and placement.step_context:
             env[STEP_CONTEXT_ENV] = str(placement.step_context)
             env[STEP_TOKENS_ENV] = str(placement.step_tokens)
-            env[STEP_MS_ENV] = str(STEP_TARGET_MS)
+            if self.step_target_ms > 0:
+                env[STEP_MS_ENV] = f"{self.step_target_ms:g}"
         env.update(dict(self.env))
         # its worker binds loopback (WorkerConfig.host), and so does its engine's Mooncake
         env = loopback.env("127.0.0.1", env)

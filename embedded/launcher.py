@@ -93,6 +93,17 @@ class ClusterSpec(EngineSpec):
         assert self.shape is not None
         return len(self.shape.engines)
 
+    def step_target_ms(self) -> float:
+        """How long its engines' steps beside streams may take: a share of the TBT SLO the
+        conductor will hold decodes to (its flags over its environment over its defaults, read
+        as the conductor reads them; a bad setting exits here with the conductor's message)."""
+        from conductor.config import parse_args
+
+        # its etcd endpoint is only known at start: any valid one parses the rest alike
+        config = parse_args(["--model", self.model, "--etcd", "127.0.0.1:1",
+                             *self.conductor_args])
+        return shape.step_target_ms(config.tbt_slo_s)
+
 
 @dataclass
 class WorkerProcess:
@@ -187,7 +198,7 @@ class EmbeddedCluster:
                           pool_store_client_segment=sc.segment_name if sc else "",
                           env=s.worker_env, **s.engine_kwargs(),
                           secret_file=str(self.secret_file), machine_cpus=self._machine_cpus,
-                          tls_dir=str(self.tls_dir or ""))
+                          tls_dir=str(self.tls_dir or ""), step_target_ms=s.step_target_ms())
 
     # -------------------------------------------------------------- start / stop
 

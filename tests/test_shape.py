@@ -7,10 +7,10 @@ from cluster.shape import (
     STEP_CONTEXT_ENV,
     STEP_CONTEXT_TOKENS,
     STEP_MS_ENV,
-    STEP_TARGET_MS,
     STEP_TOKENS_ENV,
     STEP_TOKENS_PER_THREAD,
     choose,
+    step_target_ms,
 )
 
 
@@ -98,7 +98,7 @@ def test_the_worker_is_started_with_its_engine_core_placed_and_its_worker_spinni
 
     monkeypatch.setattr(workers, "ManagedProcess", Recorder)
     spec = workers.WorkerSpec(model="m", etcd="e", pool_master="p", pool_metadata="u",
-                              run_dir=str(tmp_path))
+                              run_dir=str(tmp_path), step_target_ms=37.5)
     for e in choose([0, 1], prefill=1, decode=1).engines:
         spec.start(e.role, e.role, port=1, placement=e)
     (prefill_argv, prefill_env), (decode_argv, decode_env) = started
@@ -108,7 +108,7 @@ def test_the_worker_is_started_with_its_engine_core_placed_and_its_worker_spinni
     assert decode_env[WORKER_SPIN_ENV] == "1" and decode_env[SPIN_ENV] == "0.01"
     assert "--max-num-batched-tokens" not in prefill_argv + decode_argv  # vLLM's, alone
     assert decode_env[STEP_TOKENS_ENV] == str(STEP_TOKENS_PER_THREAD)  # until it has timed one
-    assert decode_env[STEP_MS_ENV] == str(STEP_TARGET_MS)  # beside streams, then
+    assert decode_env[STEP_MS_ENV] == "37.5"  # beside streams, then
     assert decode_env[STEP_CONTEXT_ENV] == str(STEP_CONTEXT_TOKENS)  # a token's cost by context
     assert not {STEP_CONTEXT_ENV, STEP_TOKENS_ENV, STEP_MS_ENV} & set(prefill_env)
     started.clear()
@@ -124,6 +124,43 @@ def test_the_worker_is_started_with_its_engine_core_placed_and_its_worker_spinni
     assert "--side" not in home_argv and side_argv[side_argv.index("--side") + 1] == "true"
     assert side_argv[side_argv.index("--engine-cpus") + 1] == "0"
     assert WORKER_SPIN_ENV not in side_env  # it spins no longer than the serving processes
+
+
+def test_the_engines_step_target_is_half_the_tbt_slo_the_conductor_will_hold(
+        model_dir, tmp_path, monkeypatch, capsys):
+    """The launcher reads the SLO as the conductor will (its flags over its environment over
+    its defaults) and hands each worker a share of it; without one a worker keeps its token
+    budget alone."""
+    from cluster import workers
+    from conductor.config import ConductorConfig
+    from embedded.launcher import ClusterSpec
+
+    monkeypatch.delenv("KVCLUSTER_CONDUCTOR_TBT_SLO_S", raising=False)
+    assert ClusterSpec(model=model_dir).step_target_ms() == step_target_ms(
+        ConductorConfig.tbt_slo_s)
+    assert ClusterSpec(model=model_dir,
+                       conductor_args=("--tbt-slo-s", "0.1")).step_target_ms() == 50
+    monkeypatch.setenv("KVCLUSTER_CONDUCTOR_TBT_SLO_S", "0.08")
+    assert ClusterSpec(model=model_dir).step_target_ms() == 40
+    assert ClusterSpec(model=model_dir,
+                       conductor_args=("--tbt-slo-s", "0.2")).step_target_ms() == 100
+    with pytest.raises(SystemExit):  # the conductor's own check, before anything starts
+        ClusterSpec(model=model_dir, conductor_args=("--tbt-slo-s", "-1")).step_target_ms()
+    assert "tbt_slo_s" in capsys.readouterr().err
+
+    started = []
+    monkeypatch.setattr(workers, "ManagedProcess",
+                        lambda name, argv, log, env: started.append(env) or _Started())
+    spec = workers.WorkerSpec(model="m", etcd="e", pool_master="p", pool_metadata="u",
+                              run_dir=str(tmp_path))
+    home = choose([0, 1]).engines[0]
+    spec.start(home.role, "both-0", port=1, placement=home)
+    assert STEP_CONTEXT_ENV in started[0] and STEP_MS_ENV not in started[0]
+
+
+class _Started:
+    def start(self):
+        return self
 
 
 def test_cpu_engines_that_decode_prefill_in_chunks_of_a_budget_per_thread():

@@ -15,9 +15,10 @@ the TBT SLO on the other. So the budget is set in time, and each engine learns i
 
 With `KVCLUSTER_STEP_CONTEXT_TOKENS=<h>`, `KVCLUSTER_STEP_TOKENS=<b>` and
 `KVCLUSTER_STEP_MS=<t>` in an engine's environment (`cluster.shape.Engine.step_context`,
-`step_tokens`, `cluster.shape.STEP_TARGET_MS`), a step that carries a stream's token gets the
-prompt tokens that its engine's own steps say take `t` ms at context `c` (the longest a
-running prompt has reached), never fewer than its streams' plus `MIN_CHUNK` (so no stream
+`step_tokens`, and `cluster.shape.step_target_ms`: half the TBT SLO the conductor was started
+with; a live change, `conductorctl slo`, does not reach it), a step that carries a stream's
+token gets the prompt tokens that its engine's own steps say take `t` ms at context `c` (the
+longest a running prompt has reached), never fewer than its streams' plus `MIN_CHUNK` (so no stream
 misses a step) nor more than the engine's budget; until its first prompt step has been
 timed, `b * h / (h + c)`. A step with no stream to hold up gets the configured budget
 (vLLM's, 2048 unless set): no one waits on its end but the requests queued behind the
