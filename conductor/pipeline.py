@@ -16,7 +16,6 @@ workers abort their engine requests.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field, replace
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 import structlog
 
+from conductor.calls import close_call_later, settle
 from conductor.config import ConductorConfig
 from conductor.deltas import Delta, from_chunk
 from conductor.errors import ConductorError, InvalidRequest, NoCapacity, Timeout, UpstreamFailed
@@ -231,7 +231,7 @@ class Pipeline:
             raise
         finally:
             if prefill is not None:
-                await _settle(prefill)
+                await settle(prefill)
 
     def _wait_s(self, dispatch: Dispatch) -> float:
         predicted = dispatch.route.predicted_ttft_s
@@ -412,7 +412,7 @@ class Pipeline:
             if not read.done():
                 read.cancel()
             if ended:
-                _close_later(call)
+                close_call_later(call)
             else:
                 call.cancel()
 
@@ -483,33 +483,3 @@ class Pipeline:
             outcome.warmed.append(inst.instance_id)
         outcome.blocks_saved = saved
         return outcome
-
-
-_CLOSING: set[asyncio.Task] = set()
-CLOSE_WAIT_S = 5.0
-"""How long a decode call whose every choice finished may take to end on its own."""
-
-
-def _close_later(call: grpc.aio.UnaryStreamCall) -> None:
-    """The decode's stream after its last chunk: its end (the worker's status, ~1 ms later on
-    two busy cores) is not waited for by the answer, but by a task that keeps the call alive
-    until then (a call collected unfinished is cancelled, and the worker would count an
-    abort) and cancels it after `CLOSE_WAIT_S`."""
-    async def close() -> None:
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(CLOSE_WAIT_S):
-                await call.code()
-        call.cancel()
-
-    task = asyncio.get_running_loop().create_task(close())
-    _CLOSING.add(task)
-    task.add_done_callback(_CLOSING.discard)
-
-
-async def _settle(task: asyncio.Task) -> None:
-    """A prefill task the decode no longer waits for: cancelled if still running (the client
-    went away, or the decode ended first), its failure already counted."""
-    if not task.done():
-        task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, WorkerFailure):
-        await task

@@ -19,6 +19,7 @@ from cluster.instance import InstanceInfo, cpu_list
 from cluster.plane_tls import PlaneTLS, aio_channel
 from cluster.resilience import Breaker
 from cluster.secret import ClusterSecret, bind
+from conductor.calls import close_channel_later
 from conductor.scheduler.load import LoadState
 from conductor.scheduler.snapshot import ClusterSnapshot, InstanceLoad, SchedulerParams
 from protos import worker_pb2_grpc
@@ -168,7 +169,7 @@ class Registry:
         # starved machine), and a dead one fails them by itself (connection reset). The channel
         # closes once they ended, or cancels them after LEFT_GRACE_S (the pipeline then
         # retries or migrates them).
-        _close_later(inst.channel)
+        close_channel_later(inst.channel, LEFT_GRACE_S)
         return inst
 
     def get(self, instance_id: str) -> Instance | None:
@@ -313,7 +314,3 @@ class Registry:
 def _none(_: str) -> int:
     return 0
 
-
-def _close_later(channel: grpc.aio.Channel) -> None:
-    with contextlib.suppress(RuntimeError):  # no running loop: nothing to close it on
-        asyncio.get_running_loop().create_task(channel.close(grace=LEFT_GRACE_S))
