@@ -73,6 +73,11 @@ class ClusterSpec(EngineSpec):
     processes stalled for the pool's 5 s timeout here (a burst of 1,800-token prompts on two
     cores: the reading decode and the writing prefill engine both stopped for ~5 s)."""
     conductor_args: tuple[str, ...] = ()
+    step_target_ms: float = field(init=False, default=0.0)
+    """How long its engines' steps beside streams may take: a share of the TBT SLO the
+    conductor will hold decodes to, read once as the conductor reads its settings (its flags
+    over its environment over its defaults): a bad setting exits with the conductor's message
+    when the spec is made, before anything starts."""
     admin_port: int = 0
     """The conductor's admin API on 127.0.0.1 (token in `<run_dir>/admin.token`); 0 picks a
     free port, -1 turns it off."""
@@ -88,21 +93,16 @@ class ClusterSpec(EngineSpec):
         if self.shape is None:
             object.__setattr__(self, "shape", shape.choose(
                 shape.machine_cores(), 0, self.prefill, self.decode, self.both))
-
-    def engines(self) -> int:
-        assert self.shape is not None
-        return len(self.shape.engines)
-
-    def step_target_ms(self) -> float:
-        """How long its engines' steps beside streams may take: a share of the TBT SLO the
-        conductor will hold decodes to (its flags over its environment over its defaults, read
-        as the conductor reads them; a bad setting exits here with the conductor's message)."""
         from conductor.config import parse_args
 
         # its etcd endpoint is only known at start: any valid one parses the rest alike
         config = parse_args(["--model", self.model, "--etcd", "127.0.0.1:1",
                              *self.conductor_args])
-        return shape.step_target_ms(config.tbt_slo_s)
+        object.__setattr__(self, "step_target_ms", shape.step_target_ms(config.tbt_slo_s))
+
+    def engines(self) -> int:
+        assert self.shape is not None
+        return len(self.shape.engines)
 
 
 @dataclass
@@ -198,7 +198,7 @@ class EmbeddedCluster:
                           pool_store_client_segment=sc.segment_name if sc else "",
                           env=s.worker_env, **s.engine_kwargs(),
                           secret_file=str(self.secret_file), machine_cpus=self._machine_cpus,
-                          tls_dir=str(self.tls_dir or ""), step_target_ms=s.step_target_ms())
+                          tls_dir=str(self.tls_dir or ""), step_target_ms=s.step_target_ms)
 
     # -------------------------------------------------------------- start / stop
 

@@ -82,21 +82,29 @@ def test_an_engine_with_cores_of_its_own_schedules_from_the_serving_cores():
         assert all(e.engine_core_cpus == "" for e in s.engines)
 
 
-def test_the_worker_is_started_with_its_engine_core_placed_and_its_worker_spinning(
-        tmp_path, monkeypatch):
+@pytest.fixture
+def started(monkeypatch) -> list[tuple[list[str], dict[str, str]]]:
+    """The (argv, env) of every worker process `cluster.workers` starts, none of them run."""
     import cluster.workers as workers
-    from cluster.shape import SPIN_ENV, WORKER_SPIN_ENV
 
-    started = []
+    recorded: list[tuple[list[str], dict[str, str]]] = []
 
     class Recorder:
         def __init__(self, name, argv, log, env):
-            started.append((argv, env))
+            recorded.append((argv, env))
 
         def start(self):
             return self
 
     monkeypatch.setattr(workers, "ManagedProcess", Recorder)
+    return recorded
+
+
+def test_the_worker_is_started_with_its_engine_core_placed_and_its_worker_spinning(
+        tmp_path, started):
+    import cluster.workers as workers
+    from cluster.shape import SPIN_ENV, WORKER_SPIN_ENV
+
     spec = workers.WorkerSpec(model="m", etcd="e", pool_master="p", pool_metadata="u",
                               run_dir=str(tmp_path), step_target_ms=37.5)
     for e in choose([0, 1], prefill=1, decode=1).engines:
@@ -127,7 +135,7 @@ def test_the_worker_is_started_with_its_engine_core_placed_and_its_worker_spinni
 
 
 def test_the_engines_step_target_is_half_the_tbt_slo_the_conductor_will_hold(
-        model_dir, tmp_path, monkeypatch, capsys):
+        model_dir, tmp_path, monkeypatch, capsys, started):
     """The launcher reads the SLO as the conductor will (its flags over its environment over
     its defaults) and hands each worker a share of it; without one a worker keeps its token
     budget alone."""
@@ -136,31 +144,24 @@ def test_the_engines_step_target_is_half_the_tbt_slo_the_conductor_will_hold(
     from embedded.launcher import ClusterSpec
 
     monkeypatch.delenv("KVCLUSTER_CONDUCTOR_TBT_SLO_S", raising=False)
-    assert ClusterSpec(model=model_dir).step_target_ms() == step_target_ms(
+    assert ClusterSpec(model=model_dir).step_target_ms == step_target_ms(
         ConductorConfig.tbt_slo_s)
     assert ClusterSpec(model=model_dir,
-                       conductor_args=("--tbt-slo-s", "0.1")).step_target_ms() == 50
+                       conductor_args=("--tbt-slo-s", "0.1")).step_target_ms == 50
     monkeypatch.setenv("KVCLUSTER_CONDUCTOR_TBT_SLO_S", "0.08")
-    assert ClusterSpec(model=model_dir).step_target_ms() == 40
+    assert ClusterSpec(model=model_dir).step_target_ms == 40
     assert ClusterSpec(model=model_dir,
-                       conductor_args=("--tbt-slo-s", "0.2")).step_target_ms() == 100
+                       conductor_args=("--tbt-slo-s", "0.2")).step_target_ms == 100
     with pytest.raises(SystemExit):  # the conductor's own check, before anything starts
-        ClusterSpec(model=model_dir, conductor_args=("--tbt-slo-s", "-1")).step_target_ms()
+        ClusterSpec(model=model_dir, conductor_args=("--tbt-slo-s", "-1"))
     assert "tbt_slo_s" in capsys.readouterr().err
 
-    started = []
-    monkeypatch.setattr(workers, "ManagedProcess",
-                        lambda name, argv, log, env: started.append(env) or _Started())
     spec = workers.WorkerSpec(model="m", etcd="e", pool_master="p", pool_metadata="u",
                               run_dir=str(tmp_path))
     home = choose([0, 1]).engines[0]
     spec.start(home.role, "both-0", port=1, placement=home)
-    assert STEP_CONTEXT_ENV in started[0] and STEP_MS_ENV not in started[0]
-
-
-class _Started:
-    def start(self):
-        return self
+    ((_, env),) = started
+    assert STEP_CONTEXT_ENV in env and STEP_MS_ENV not in env
 
 
 def test_cpu_engines_that_decode_prefill_in_chunks_of_a_budget_per_thread():
