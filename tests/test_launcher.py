@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -135,6 +136,47 @@ def test_launcher_serves_restarts_a_dead_engine_and_ctrl_c_leaves_nothing(model_
     wait_until(lambda: not any(_alive(p) for p in seen), timeout=5.0,
                what="processes left behind")
     assert _sockets(short_tmp) == []  # vLLM's, in each engine's directory (`worker.engine`)
+
+
+@pytest.mark.engine
+def test_a_launcher_killed_outright_leaves_no_process(model_dir, tmp_path, short_tmp):
+    """SIGKILL (the OOM killer) runs no handler: the launcher's children die with it (their
+    parent-death signal), and their engines' processes with them (`worker.vllm_plugin`), not
+    left spinning."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "embedded", "--model", model_dir, "--port", str(port),
+         "--run-dir", str(tmp_path / "run"), "--admin-port", "0", "--both", "1", "--eager"],
+        env={**os.environ, "TMPDIR": str(short_tmp)}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen: set[int] = set()
+    try:
+        lines = []
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if "Ctrl-C stops every process" in line:
+                break
+        assert proc.poll() is None, "".join(lines[-30:])
+        assert _complete(port).status_code == 200
+        seen = _descendants(proc.pid)
+        names = {_comm(p) for p in seen}
+        assert {"VLLM::EngineCor", "VLLM::Worker"} <= names, names
+        proc.kill()
+        proc.wait()
+        def left() -> list[str]:
+            return sorted(f"{_comm(p)} ({p})" for p in seen if _alive(p))
+
+        try:
+            wait_until(lambda: not left(), timeout=30.0, interval=0.5)
+        except AssertionError:
+            raise AssertionError(f"processes left behind: {left()}") from None
+    finally:
+        for p in seen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_a_child_outlives_the_thread_that_started_it(tmp_path):
