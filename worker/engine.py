@@ -71,7 +71,6 @@ class Engine:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         if self.config.device == "cpu":  # read by its engine's processes (`worker.vllm_plugin`)
             os.environ[CPU_SEEDS_ENV] = "1"
-        os.environ[PARENT_ENV] = str(os.getpid())  # its processes die with this one
         self._claim_ipc_dir()
         from vllm.config import KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -125,7 +124,7 @@ class Engine:
             args.kv_events_config = self.relay.events_config()
         from worker.telemetry import load_logger_factory
 
-        with _forking_on(c.engine_core_cpus or c.engine_cpus):
+        with _forking_on(c.engine_core_cpus or c.engine_cpus), _dying_with_me():
             self._llm = AsyncLLM.from_engine_args(
                 args, stat_loggers=[load_logger_factory(self.load)])
         log.info("engine_started", model=c.model, role=c.role, namespace=self.namespace)
@@ -248,6 +247,16 @@ class Engine:
             if os.environ.get(IPC_ENV) == self._ipc_dir:
                 del os.environ[IPC_ENV]
             self._ipc_dir = ""
+
+
+@contextlib.contextmanager
+def _dying_with_me() -> Iterator[None]:
+    """The engine's processes, started inside, die with this one (`worker.vllm_plugin`)."""
+    os.environ[PARENT_ENV] = str(os.getpid())
+    try:
+        yield
+    finally:
+        os.environ.pop(PARENT_ENV, None)
 
 
 @contextlib.contextmanager

@@ -89,8 +89,14 @@ def _die_with_parent(parent: int) -> None:
         return
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the parent died before the signal was set
-        os.kill(os.getpid(), signal.SIGKILL)
+    if os.getppid() != parent:
+        try:
+            os.kill(parent, 0)
+        except ProcessLookupError:  # it died before the signal was set
+            os.kill(os.getpid(), signal.SIGKILL)
+        # alive but not the parent: a setting inherited from further up, not meant for this
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, 0, 0, 0, 0)
+        return
     os.environ[PARENT_ENV] = str(os.getpid())
 
 
