@@ -207,6 +207,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "SLOs must be positive")
         ttft, tbt = self.router.set_slo(request.ttft_ms / 1000 or None,
                                         request.tbt_ms / 1000 or None)
+        if request.tbt_ms and self.c.step_targets is not None:
+            self.c.step_targets.slo_changed()  # the engines' step target follows it
         return admin_pb2.SetSLOReply(model=name, ttft_ms=ttft * 1000, tbt_ms=tbt * 1000)
 
     # ---------------------------------------------------------------- prewarm

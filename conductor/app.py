@@ -58,6 +58,7 @@ from conductor.response import ResponseSpec, collect, stream
 from conductor.sampling import ModelDefaults, sampling
 from conductor.scheduler import DECODES_ALONE
 from conductor.scheduler.pool_sync import PoolSync
+from conductor.step_targets import StepTargets
 from conductor.tokenizer import Tokenizer
 from conductor.tracing import Tracing
 from protos import worker_pb2
@@ -91,6 +92,7 @@ class Conductor:
         self.defaults = ModelDefaults.load(config.model)
         self.pipeline = Pipeline(config, self.registry, self.tokenizer)
         self.pool_stats: PoolStatsPoller | None = None
+        self.step_targets: StepTargets | None = None
         self.metrics = Metrics(self.registry.views,
                                lambda: self.pool_stats.latest if self.pool_stats else {})
         self.pipeline.metrics = self.metrics
@@ -117,6 +119,7 @@ class Conductor:
     async def start(self) -> None:
         self.health = HealthChecker(self.registry, self.config.health_interval_s)
         self.pool_stats = PoolStatsPoller(self.registry, self.config.stats_interval_s)
+        self.step_targets = StepTargets(self.registry, lambda: self.pipeline.router.tbt_slo_s)
         self.pipeline.router.transfer_s_per_block = self.pool_stats.seconds_per_block
         await self.watcher.start()
         self._sync(self.watcher.members())
@@ -140,6 +143,8 @@ class Conductor:
             await self.health.close()
         if self.pool_stats is not None:
             await self.pool_stats.close()
+        if self.step_targets is not None:
+            await self.step_targets.close()
         await self.registry.close()
         await self.provisioner.close()
         if self.metrics.tracing is not None:

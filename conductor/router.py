@@ -124,6 +124,11 @@ class Router:
         log.info("slo_set", ttft_slo_s=self._base.ttft_slo_s, tbt_slo_s=self._base.tbt_slo_s)
         return self._base.ttft_slo_s, self._base.tbt_slo_s
 
+    @property
+    def tbt_slo_s(self) -> float:
+        """The default TBT SLO now."""
+        return self._base.tbt_slo_s
+
     # ------------------------------------------------------------------ deciding
 
     def params(self, block_size: int) -> SchedulerParams:

@@ -77,7 +77,8 @@ class ClusterSpec(EngineSpec):
     """How long its engines' steps beside streams may take: a share of the TBT SLO the
     conductor will hold decodes to, read once as the conductor reads its settings (its flags
     over its environment over its defaults): a bad setting exits with the conductor's message
-    when the spec is made, before anything starts."""
+    when the spec is made, before anything starts. The engines start with it; the conductor
+    keeps them at its SLO from then on (`conductor.step_targets`)."""
     admin_port: int = 0
     """The conductor's admin API on 127.0.0.1 (token in `<run_dir>/admin.token`); 0 picks a
     free port, -1 turns it off."""

@@ -55,6 +55,10 @@ class Knobs:
     gate_after_chunks: int = 0
     end_gate: threading.Event | None = None
     """When set, a decode's stream stays open after its last chunk until the gate opens."""
+    step_target_unavailable: int = 0
+    """`SetStepTarget` answers UNAVAILABLE this many times first (a worker not yet reachable)."""
+    step_budget: bool = True
+    """Whether the fake engine has a step budget (`SetStepTarget` answers `applied`)."""
     first_token_shift: int = 0
     """Added to the token id the first Prefill returns as the first token: the decode's
     differs, as a real decode's does when it was released without it (its hold timed out)."""
@@ -76,6 +80,8 @@ class Counts:
     prefill_params: worker_pb2.SamplingParams | None = None
     """The sampling parameters of the latest Prefill that asked for the first token."""
     request_ids: list[str] = field(default_factory=list)
+    step_targets: list[float] = field(default_factory=list)
+    """Every `SetStepTarget` that reached the worker, in order (refused ones too)."""
 
 
 def _times(received: float, released: float) -> worker_pb2.EngineTimes:
@@ -251,6 +257,14 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     async def Retire(self, request, context):
         self.counts.retired += 1
         return worker_pb2.RetireReply()
+
+    async def SetStepTarget(self, request, context):
+        self.counts.step_targets.append(request.step_ms)
+        if len(self.counts.step_targets) <= self.knobs.step_target_unavailable:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "not yet")
+        if not self.knobs.step_budget:
+            return worker_pb2.StepTargetReply(applied=False)
+        return worker_pb2.StepTargetReply(applied=True, step_ms=request.step_ms)
 
 
 class StaticMembership:

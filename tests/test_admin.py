@@ -148,6 +148,34 @@ def test_set_slo_applies_to_the_next_requests(model_dir):
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_the_engines_step_target_follows_the_tbt_slo_to_every_instance(model_dir):
+    """Each instance is sent half the TBT SLO as it joins, again when the SLO changes (not when
+    only the TTFT SLO does), and retried while it does not answer; an engine without a step
+    budget is told once."""
+    knobs = Knobs(step_target_unavailable=2)
+    c, addr = conductor(model_dir, ("prefill", "decode", "decode"), knobs)
+    with c:
+        admin = Admin(addr)
+        targets = c.app.state.conductor.step_targets
+        decodes = [c.workers["decode-0"], c.workers["decode-1"]]
+        # every worker refuses its first two calls, then takes the third
+        wait_until(lambda: len(targets.applied) == 3, timeout=20, what="every instance told")
+        assert set(targets.applied.values()) == {150.0}  # half the default 300 ms
+        assert [w.counts.step_targets for w in decodes] == [[150.0] * 3] * 2
+        admin.SetSLO(admin_pb2.SetSLORequest(ttft_ms=2_000))  # no TBT change: nothing sent
+        admin.SetSLO(admin_pb2.SetSLORequest(tbt_ms=80))
+        wait_until(lambda: set(targets.applied.values()) == {40.0}, timeout=10,
+                   what="the new target everywhere")
+        assert [w.counts.step_targets for w in decodes] == [[150.0] * 3 + [40.0]] * 2
+    knobs = Knobs(step_budget=False)
+    c, addr = conductor(model_dir, ("decode",), knobs)
+    with c:
+        worker = c.worker("decode")
+        wait_until(lambda: worker.counts.step_targets == [150.0], timeout=10,
+                   what="the instance told")
+        assert c.app.state.conductor.step_targets.applied == {}
+
+
 def test_prewarm_prefills_once_plus_chosen_instances_and_index_stats_count_it(model_dir):
     c, addr = conductor(model_dir, ("prefill", "decode"))
     with c:

@@ -12,6 +12,7 @@ import random
 import signal
 import time
 import uuid
+from pathlib import Path
 
 import grpc
 import httpx
@@ -313,6 +314,31 @@ def test_pool_counters_reach_the_conductors_metrics(cluster):
     assert _pool_metric(cluster, seconds, instance=role["decode"], direction="load") > 0
     assert _pool_metric(cluster, "kvcluster_pool_bytes_total", instance=role["decode"],
                         direction="load") > 0
+
+
+def test_a_step_target_reaches_the_decode_engines_scheduler_and_not_a_prefill_engine(cluster):
+    """`SetStepTarget` travels worker -> engine core (a vLLM utility call) and is read back
+    from the scheduler there; the prefill engine has no step budget and says so. The conductor
+    sent each the target of its TBT SLO as it joined (half of 300 ms)."""
+    decode, prefill = _worker_stub(cluster, "decode"), _worker_stub(cluster, "prefill")
+    conductor_log = Path(cluster.run_dir, "conductor.log")
+    wait_until(lambda: "step_target_applied" in conductor_log.read_text(), timeout=30,
+               what="the conductor's target confirmed by the decode engine")
+    assert "step_ms=150.0" in next(line for line in conductor_log.read_text().splitlines()
+                                   if "step_target_applied" in line)
+    try:
+        r = decode.SetStepTarget(worker_pb2.StepTargetRequest(step_ms=123.5), timeout=30)
+        assert (r.applied, r.step_ms) == (True, 123.5)
+        r = prefill.SetStepTarget(worker_pb2.StepTargetRequest(step_ms=123.5), timeout=30)
+        assert not r.applied
+        with pytest.raises(grpc.RpcError) as e:
+            decode.SetStepTarget(worker_pb2.StepTargetRequest(step_ms=-1), timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:  # the other tests' engines as the conductor set them
+        decode.SetStepTarget(worker_pb2.StepTargetRequest(step_ms=150), timeout=30)
+    r = httpx.post(f"{cluster.url}/v1/completions", timeout=120, json={
+        "prompt": "The ferry waited for the tide. " * 8, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
 
 
 def test_a_real_worker_refuses_calls_without_the_cluster_token(cluster):

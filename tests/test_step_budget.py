@@ -6,7 +6,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from worker.step_budget import MIN_CHUNK, StepCost, budget, install
+import pytest
+
+from worker.step_budget import (
+    MIN_CHUNK,
+    StepCost,
+    budget,
+    install,
+    install_control,
+    set_target,
+)
 
 
 def test_the_budget_halves_at_the_given_context_and_never_starves_a_stream():
@@ -105,3 +114,32 @@ def test_beside_streams_a_step_takes_what_fits_the_target_once_the_engine_has_ti
     s.schedule(1000)
     assert s.seen == [256, 256, 1 + 35]  # (50 - 15.6) ms / (125 / 256 ms * 2) a token; the stream
     assert len(s.updated) == 2
+
+
+def test_a_new_target_holds_from_the_next_step_and_only_where_there_is_a_budget():
+    clock = iter([0.0, 0.015625, 1.0, 1.140625, 2.0, 3.0])
+    cls = type("Sched", (_Scheduler,), {})
+    install(2000, 256, cls, target_ms=50, clock=lambda: next(clock))
+    s = cls()
+    s.running = [_Req(3000, 3000)]
+    s.update_from_output(s.schedule(1), None)  # decode alone: 15.625 ms
+    s.running.append(_Req(0, 3000))
+    s.update_from_output(s.schedule(257), None)  # 256 prompt tokens: 125 ms beyond it
+    s.running[1] = _Req(2000, 3000)
+    assert set_target(s, 100) == 100.0  # the TBT SLO doubled
+    s.schedule(1000)
+    assert s.seen[-1] == 1 + 86  # (100 - 15.6) ms / (125 / 256 ms * 2) a token
+    assert set_target(_Scheduler(), 100) is None  # no step budget installed: nothing to set
+    with pytest.raises(ValueError):
+        set_target(s, 0)
+
+
+def test_the_engine_core_utility_sets_its_schedulers_target():
+    cls = type("Sched", (_Scheduler,), {})
+    install(2000, 256, cls, target_ms=50)
+    core_cls = type("EngineCore", (), {})
+    install_control(core_cls)
+    core = core_cls()
+    core.scheduler = cls()
+    assert core.kvcluster_step_target(75.0) == 75.0
+    assert core.scheduler._kvcluster_target_ms == 75.0

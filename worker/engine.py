@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 
 from cluster.instance import cpu_list
+from cluster.shape import STEP_CONTEXT_ENV
 from store.namespace import kv_namespace
 from worker.config import WorkerConfig
 from worker.dtype import resolve as resolve_dtype
@@ -216,6 +217,13 @@ class Engine:
 
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
+
+    async def set_step_target(self, step_ms: float) -> float | None:
+        """The engine core's step target beside streams, from its next step on; None where
+        it was started without a step budget (`worker.step_budget`)."""
+        if not os.environ.get(STEP_CONTEXT_ENV):  # read by its engine core at start
+            return None
+        return await self.llm.engine_core.call_utility_async("kvcluster_step_target", step_ms)
 
     def kv_capacity_tokens(self) -> int:
         """The engine's KV cache size in tokens (0 before it is known)."""

@@ -323,6 +323,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             asyncio.get_running_loop().call_soon(self.on_retire)
         return worker_pb2.RetireReply(instance_id=self.instance_id)
 
+    async def SetStepTarget(self, request: worker_pb2.StepTargetRequest,
+                            context: grpc.aio.ServicerContext) -> worker_pb2.StepTargetReply:
+        if not request.step_ms > 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"step_ms must be positive, got {request.step_ms}")
+        now = await self.engine.set_step_target(request.step_ms)
+        if now is None:
+            return worker_pb2.StepTargetReply(applied=False)
+        log.info("step_target_set", step_ms=now)
+        return worker_pb2.StepTargetReply(applied=True, step_ms=now)
+
     async def KvEvents(self, request: worker_pb2.KvEventsRequest,
                        context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[worker_pb2.KvEventBatch]:

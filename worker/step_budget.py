@@ -34,6 +34,8 @@ MIN_CHUNK = 16
 """Prompt tokens a step may always carry beside its streams' (one per stream)."""
 LEARN_RATE = 0.2
 """Weight of the newest step in `StepCost`'s running averages."""
+TARGET_ATTR = "_kvcluster_target_ms"
+"""A scheduler's step target once it has been set while serving (`set_target`)."""
 MIN_TIMED_TOKENS = 32
 """Prompt tokens a step needs for its time to teach the per-token cost (below, its fixed
 cost dominates and its noise would)."""
@@ -106,7 +108,8 @@ def install(half_at: int, shared: int, scheduler_cls: type | None = None,
                 context = max(context, r.num_computed_tokens)
             else:
                 streams += 1
-        learned = cost.tokens(target_ms, context) if streams and target_ms else None
+        target = self.__dict__.get(TARGET_ATTR, target_ms)
+        learned = cost.tokens(target, context) if streams and target else None
         if not streams:
             self.max_num_scheduled_tokens = solo
         elif learned is None:
@@ -133,3 +136,27 @@ def install(half_at: int, shared: int, scheduler_cls: type | None = None,
     scheduler_cls.schedule = schedule
     scheduler_cls.update_from_output = update_from_output
     scheduler_cls._kvcluster_step_context = half_at
+
+
+def set_target(scheduler: object, target_ms: float) -> float | None:
+    """A new step target for `scheduler`'s steps beside streams, from its next step on (the
+    conductor's TBT SLO changed); None, and nothing changed, where it has no step budget."""
+    if getattr(type(scheduler), "_kvcluster_step_context", None) is None:
+        return None
+    if not target_ms > 0:
+        raise ValueError(f"a step target must be positive, got {target_ms}")
+    scheduler.__dict__[TARGET_ATTR] = float(target_ms)
+    return float(target_ms)
+
+
+def install_control(engine_core_cls: type | None = None) -> None:
+    """`EngineCore.kvcluster_step_target(ms)`, a utility its front end calls
+    (`AsyncLLM.engine_core.call_utility_async`): `set_target` on the engine's scheduler, run
+    by the engine core between steps (idempotent)."""
+    if engine_core_cls is None:
+        from vllm.v1.engine.core import EngineCore as engine_core_cls
+
+    def kvcluster_step_target(self, target_ms: float) -> float | None:  # type: ignore[no-untyped-def]
+        return set_target(self.scheduler, target_ms)
+
+    engine_core_cls.kvcluster_step_target = kvcluster_step_target

@@ -24,7 +24,8 @@ kill the engine (`_chunkable_cpu_seeds`).
 streams run, the engine core's steps carry the prompt tokens its own steps say take `t` ms
 (`b` until it has timed one), fewer as the context their prompt chunks attend to grows (a token
 at `h` costing twice one at none); while none runs, the engine's whole budget
-(`worker.step_budget`).
+(`worker.step_budget`); the conductor changes `t` while the engine serves (its TBT SLO changed:
+`worker.step_budget.install_control`).
 
 `KVCLUSTER_ENGINE_PARENT=<pid>` (set by `worker.engine` before it starts the engine): the
 engine's processes die with the process that started them (`_die_with_parent`).
@@ -65,6 +66,7 @@ def register() -> None:
     if os.environ.get(STEP_CONTEXT_ENV) and os.environ.get(STEP_TOKENS_ENV):
         step_budget.install(int(os.environ[STEP_CONTEXT_ENV]), int(os.environ[STEP_TOKENS_ENV]),
                             target_ms=float(os.environ.get(STEP_MS_ENV) or 0))
+        step_budget.install_control()
     _spin()
     if os.environ.get(CPU_SEEDS_ENV):
         _chunkable_cpu_seeds()
