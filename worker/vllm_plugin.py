@@ -80,9 +80,10 @@ def _die_with_parent(parent: int) -> None:
     core does not watch the front end that started it: a worker front end killed outright
     (SIGKILL, the OOM killer; the launcher's parent-death signal reaches only its direct
     children) left its engine core and model worker behind, the model worker spinning at a
-    third of a core (measured: `make run`'s launcher SIGKILLed, four processes left). The
-    signal follows the thread that forked the child: the front end and the engine core start
-    their children from their main threads. Its own children check against this process."""
+    third of a core (measured: `make run`'s launcher SIGKILLed, both engines' engine cores and
+    model workers left, and the resource trackers they kept open). The signal follows the
+    thread that forked the child: the front end and the engine core start their children from
+    their main threads. Its own children check against this process."""
     import ctypes
     import multiprocessing
     import signal
