@@ -5,9 +5,9 @@ the TBT SLO (`worker.step_budget`). The launcher starts it with the SLO the cond
 with; this keeps it there when the SLO changes (`conductorctl slo`, admin `SetSLO`) and for an
 instance that joins later (a restarted worker, a grown pool), which was started with the
 launcher's. Each instance is sent the target as it joins and again on every change, retried
-while it does not answer. An engine without a step budget answers `applied=false` (GPU
-engines, and workers started without one: deploy/'s); a worker that predates the call answers
-UNIMPLEMENTED. Neither is retried.
+with backoff after a failure of the instance (`conductor.resilience.RETRYABLE`). An engine
+without a step budget answers `applied=false` (GPU engines, and workers started without one:
+deploy/'s); a worker that predates the call answers UNIMPLEMENTED. Neither is retried.
 """
 
 from __future__ import annotations
@@ -18,16 +18,13 @@ from collections.abc import Callable
 import grpc
 import structlog
 
+from cluster.resilience import Backoff
 from cluster.shape import step_target_ms
 from conductor.registry import Instance, PerInstance, Registry
+from conductor.resilience import RETRYABLE
 from protos import worker_pb2
 
 log = structlog.get_logger(__name__)
-
-FINAL = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INVALID_ARGUMENT,
-         grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
-"""Answers that another try would not change."""
-
 
 class StepTargets(PerInstance):
     task_name = "step-target"
@@ -54,21 +51,21 @@ class StepTargets(PerInstance):
 
     async def _run(self, inst: Instance) -> None:
         ms = step_target_ms(self.tbt_slo_s())
-        wait = self.retry_s
+        backoff = Backoff(self.retry_s, self.max_retry_s, jitter=0.0)
         while True:
             try:
                 reply = await inst.stub.SetStepTarget(
                     worker_pb2.StepTargetRequest(step_ms=ms), timeout=self.timeout_s)
                 break
             except grpc.aio.AioRpcError as e:
-                if e.code() in FINAL:
-                    log.info("step_target_unsupported", instance_id=inst.instance_id,
+                if e.code() not in RETRYABLE:
+                    log.info("step_target_refused", instance_id=inst.instance_id,
                              code=e.code().name)
                     return
+                wait = backoff.next()
                 log.warning("step_target_failed", instance_id=inst.instance_id,
                             code=e.code().name, retry_s=wait)
             await asyncio.sleep(wait)
-            wait = min(2 * wait, self.max_retry_s)
         if reply.applied:
             self.applied[inst.instance_id] = reply.step_ms
             log.info("step_target_applied", instance_id=inst.instance_id, step_ms=reply.step_ms)

@@ -322,10 +322,13 @@ def test_a_step_target_reaches_the_decode_engines_scheduler_and_not_a_prefill_en
     sent each the target of its TBT SLO as it joined (half of 300 ms)."""
     decode, prefill = _worker_stub(cluster, "decode"), _worker_stub(cluster, "prefill")
     conductor_log = Path(cluster.run_dir, "conductor.log")
-    wait_until(lambda: "step_target_applied" in conductor_log.read_text(), timeout=30,
-               what="the conductor's target confirmed by the decode engine")
-    assert "step_ms=150.0" in next(line for line in conductor_log.read_text().splitlines()
-                                   if "step_target_applied" in line)
+
+    def applied() -> list[str]:
+        return [line for line in conductor_log.read_text().splitlines()
+                if "step_target_applied" in line]
+
+    wait_until(applied, timeout=30, what="the conductor's target confirmed by the decode engine")
+    assert "step_ms=150.0" in applied()[0]
     try:
         r = decode.SetStepTarget(worker_pb2.StepTargetRequest(step_ms=123.5), timeout=30)
         assert (r.applied, r.step_ms) == (True, 123.5)

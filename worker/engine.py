@@ -16,11 +16,10 @@ from typing import Any
 import structlog
 
 from cluster.instance import cpu_list
-from cluster.shape import STEP_CONTEXT_ENV
 from store.namespace import kv_namespace
 from worker.config import WorkerConfig
 from worker.dtype import resolve as resolve_dtype
-from worker.vllm_plugin import CPU_SEEDS_ENV, PARENT_ENV
+from worker.vllm_plugin import CPU_SEEDS_ENV, PARENT_ENV, step_budgeted
 
 log = structlog.get_logger(__name__)
 
@@ -221,7 +220,7 @@ class Engine:
     async def set_step_target(self, step_ms: float) -> float | None:
         """The engine core's step target beside streams, from its next step on; None where
         it was started without a step budget (`worker.step_budget`)."""
-        if not os.environ.get(STEP_CONTEXT_ENV):  # read by its engine core at start
+        if not step_budgeted():  # its engine core read the same environment at start
             return None
         return await self.llm.engine_core.call_utility_async("kvcluster_step_target", step_ms)
 

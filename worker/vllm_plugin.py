@@ -63,7 +63,7 @@ def register() -> None:
         _die_with_parent(int(os.environ[PARENT_ENV]))
     if os.environ.get(step_log.ENV):
         step_log.install(os.environ[step_log.ENV])
-    if os.environ.get(STEP_CONTEXT_ENV) and os.environ.get(STEP_TOKENS_ENV):
+    if step_budgeted():
         step_budget.install(int(os.environ[STEP_CONTEXT_ENV]), int(os.environ[STEP_TOKENS_ENV]),
                             target_ms=float(os.environ.get(STEP_MS_ENV) or 0))
         step_budget.install_control()
@@ -72,6 +72,11 @@ def register() -> None:
         _chunkable_cpu_seeds()
     if os.environ.get(BACKGROUND_ENV):
         _background()
+
+
+def step_budgeted() -> bool:
+    """Whether this process's engine was started with a step budget (`worker.step_budget`)."""
+    return bool(os.environ.get(STEP_CONTEXT_ENV) and os.environ.get(STEP_TOKENS_ENV))
 
 
 def _die_with_parent(parent: int) -> None:
@@ -90,15 +95,15 @@ def _die_with_parent(parent: int) -> None:
 
     if multiprocessing.parent_process() is None:  # the front end itself
         return
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    pr_set_pdeathsig, prctl = 1, ctypes.CDLL(None, use_errno=True).prctl
+    prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:
         try:
             os.kill(parent, 0)
         except ProcessLookupError:  # it died before the signal was set
             os.kill(os.getpid(), signal.SIGKILL)
         # alive but not the parent: a setting inherited from further up, not meant for this
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, 0, 0, 0, 0)
+        prctl(pr_set_pdeathsig, 0, 0, 0, 0)
         return
     os.environ[PARENT_ENV] = str(os.getpid())
 
