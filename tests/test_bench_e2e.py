@@ -284,3 +284,42 @@ def test_plots_write_png(tmp_path: Path) -> None:
         assert data.startswith(b"\x89PNG") and len(data) > 1000
     with pytest.raises(ValueError):
         plot_cdf([*RECORDS, replace(RECORDS[0], workload="x")], tmp_path / "x.png")
+
+
+def test_admission_calibration_pairs_each_prediction_with_its_ttft_per_workload(tmp_path):
+    from benchmarks.e2e import calibration
+
+    def line(event: str, **kv) -> str:
+        fields = " ".join(f"{k}={v}" for k, v in kv.items())
+        return f"2026-11-27T06:03:05.323973Z [info     ] {event:30s} {fields}\n"
+
+    first = (line("routed", prefill="both-0", predicted_ttft_s=2.0, request_id="a")
+             + line("routed", predicted_ttft_s=0.5, request_id="b")
+             + line("rejected", reason="'predicted TTFT 5.847s exceeds the SLO 5.000s on every "
+                    "instance'", request_id="c", retry_after_s=1.0)
+             + line("timeline", status=200, ttft_ms=1500.0, request_id="a"))
+    second = (line("routed", predicted_ttft_s=1.0, request_id="d")
+              # b's line comes after its answer, in the next workload's lines
+              + line("timeline", status=200, ttft_ms=1000.0, request_id="b")
+              + line("timeline", status=429, request_id="x")
+              + json.dumps({"event": "timeline", "status": 200, "ttft_ms": 3000.0,
+                            "request_id": "d"}) + "\n")
+    log = tmp_path / "conductor.log"
+    log.write_text(line("routed", predicted_ttft_s=0.01, request_id="probe") + first + second)
+    a = len(line("routed", predicted_ttft_s=0.01, request_id="probe").encode())
+    b = a + len(first.encode())
+    got = calibration.read_spans(log, {"shared_prefix": (a, b),
+                                       "trace": (b, calibration.size(log))})
+    assert sorted((p.request_id, p.predicted_ttft_s, p.actual_ttft_s, p.rejected)
+                  for p in got["shared_prefix"]) == [("a", 2.0, 1.5, False),
+                                                     ("b", 0.5, 1.0, False),
+                                                     ("c", 5.847, None, True)]
+    assert [(p.request_id, p.actual_ttft_s) for p in got["trace"]] == [("d", 3.0)]
+    bins = {(b.lo, b.hi): b for b in calibration.bins(got["shared_prefix"])}
+    assert bins[(0.3, 1.0)].served == 1 and bins[(0.3, 1.0)].ratio_median == 2.0
+    assert (1.0, 2.0) not in bins  # 2.0 s starts the next bin
+    assert bins[(2.0, 5.0)].ratio_median == 0.75
+    assert bins[(5.0, math.inf)].rejected == 1 and bins[(5.0, math.inf)].served == 0
+    table = calibration.markdown({("kv_centric", "trace"): got["trace"]})
+    assert "| kv_centric | trace | 1-2 s | 1 | 0 | 3.00 | 3.00 | 3.00 |" in table
+    assert calibration.size(tmp_path / "missing.log") == 0

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from benchmarks.e2e import client, report, spread, systems, workloads
+from benchmarks.e2e import calibration, client, report, spread, systems, workloads
 from benchmarks.machine import cpu_probe_s, describe
 from cluster.signals import stop_on_signals
 from tinymodel.builder import ModelSpec, ensure_model
@@ -222,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     overhead: dict[str, list[dict[str, float]]] = {}
     prewarm_rows: list[dict] = []
     probes: dict[str, list[float]] = {}
+    predictions: dict[tuple[str, str], list[calibration.Prediction]] = {}
     shapes: dict[str, str] = {}
     total = len(names) * sum(len(w.requests) for wls in plan for w in wls)
     bar = tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
@@ -234,11 +235,13 @@ def main(argv: list[str] | None = None) -> int:
             bar.set_description(f"{tag}: starting")
             probes.setdefault(name, []).append(cpu_probe_s())  # nothing of ours running
             t0 = time.monotonic()
+            spans: dict[str, tuple[int, int]] = {}
             run = systems.start(name, engines, run_root / f"{name}-{rep}", TTFT_SLO_S, TBT_SLO_S)
             shapes[name] = run.extra.get("shape", "")
             tqdm.write(f"{tag}: started in {time.monotonic() - t0:.0f}s at {run.url} (cpu probe "
                        f"{probes[name][-1] * 1e3:.0f} ms before)"
                        + (f"; shape: {shapes[name]}" if shapes[name] else ""))
+            conductor_log = run.logs / "conductor.log" if run.logs is not None else None
             try:
                 _warm_up(run)
                 if run.direct is not None:  # on the idle system: what the hop itself adds
@@ -249,10 +252,12 @@ def main(argv: list[str] | None = None) -> int:
                                f"with httpx through it; direct {o['direct_ms']:.1f} ms)")
                 for w in wls:
                     bar.set_description(f"{tag}: {w.name}")
+                    start = calibration.size(conductor_log)
                     recs, wall = asyncio.run(client.run(run.url, run.model, name, w.name,
                                                         w.requests, prompts,
                                                         on_done=lambda _r: bar.update()))
                     records += recs
+                    spans[w.name] = (start, calibration.size(conductor_log))
                     s = report.summarize(recs, TTFT_SLO_S, TBT_SLO_S, wall)
                     runs.setdefault((name, w.name), []).append(s)
                     errors = sorted({r.error for r in recs if r.error})[:3]
@@ -271,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
                                    f"{row['no_prewarm']['amortised_ms']:.0f} ms without")
             finally:
                 run.stop()
+                if conductor_log is not None and conductor_log.exists():  # our arms: admission
+                    for wname, preds in calibration.read_spans(conductor_log, spans).items():
+                        predictions.setdefault((name, wname), []).extend(preds)
     bar.close()
     elapsed = time.monotonic() - t_start
 
@@ -289,16 +297,23 @@ def main(argv: list[str] | None = None) -> int:
         "runs": {f"{s}/{w}": [asdict(v) for v in vs] for (s, w), vs in runs.items()},
         "overhead_ms": overhead, "prewarm": prewarm_rows, "prewarm_break_even_n": even,
         "worst_vs_best_workload": worst_w, "cpu_probe_s": probes,
+        "admission": {f"{s}/{w}": [asdict(b) for b in calibration.bins(ps)]
+                      for (s, w), ps in predictions.items()},
         "records": [asdict(r) for r in records],
     }
     (out / "results.json").write_text(json.dumps(result, indent=1))
     table = spread.markdown_table(runs)
     (out / "table.md").write_text(table + "\n")
+    admission = calibration.markdown(predictions)
+    (out / "admission.md").write_text(admission + "\n")
     spread.plot(runs, out / "e2e.png")
     for w in plan[0]:
         report.plot_cdf([r for r in records if r.workload == w.name],
                         out / f"ttft_cdf_{w.name}.png", TTFT_SLO_S)
     print(table)
+    print("admission: predicted TTFT against actual, our arms' conductor logs "
+          "(benchmarks/e2e/calibration.py)")
+    print(admission)
     print(f"{args.reps} repetitions, {elapsed / 60:.1f} minutes; * marks a goodput difference "
           f"beyond the spread (ranges that do not overlap); worst_vs_best on {worst_w}")
     if prewarm_rows:
