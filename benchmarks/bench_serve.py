@@ -19,7 +19,6 @@ import argparse
 import json
 import math
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks import conductor_log
 from benchmarks.machine import StallWatch, cpu_probe_s, describe
 from cluster.ports import free_port
 from cluster.process import ManagedProcess
@@ -170,21 +170,13 @@ def token_gaps(itls: list[list[float]]) -> dict[str, float]:
             "median_itl_later_ms": statistics.median(later) if later else math.nan}
 
 
-_KV = re.compile(r"(\w+)=(\S+)")
-
-
 def timeline_stages(log: Path, offset: int) -> dict[str, dict[str, float]]:
     """p50 and mean of every stage over the run's requests: the conductor's `timeline` log
     lines written after `offset` (warm-up requests included)."""
     per: dict[str, list[float]] = {}
-    with open(log, "rb") as f:
-        f.seek(offset)
-        text = f.read().decode(errors="replace")
-    for line in text.splitlines():
-        if " timeline " not in line:
-            continue
-        kv = dict(_KV.findall(line))
-        if kv.get("status") != "200":
+    for _, line in conductor_log.lines(log, offset):
+        event, kv = conductor_log.parse(line)
+        if event != "timeline" or kv.get("status") != "200":
             continue
         for k, v in kv.items():
             if k.endswith("_ms"):

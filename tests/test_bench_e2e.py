@@ -287,6 +287,7 @@ def test_plots_write_png(tmp_path: Path) -> None:
 
 
 def test_admission_calibration_pairs_each_prediction_with_its_ttft_per_workload(tmp_path):
+    from benchmarks import conductor_log
     from benchmarks.e2e import calibration
 
     def line(event: str, **kv) -> str:
@@ -309,7 +310,7 @@ def test_admission_calibration_pairs_each_prediction_with_its_ttft_per_workload(
     a = len(line("routed", predicted_ttft_s=0.01, request_id="probe").encode())
     b = a + len(first.encode())
     got = calibration.read_spans(log, {"shared_prefix": (a, b),
-                                       "trace": (b, calibration.size(log))})
+                                       "trace": (b, conductor_log.size(log))})
     assert sorted((p.request_id, p.predicted_ttft_s, p.actual_ttft_s, p.rejected)
                   for p in got["shared_prefix"]) == [("a", 2.0, 1.5, False),
                                                      ("b", 0.5, 1.0, False),
@@ -322,4 +323,4 @@ def test_admission_calibration_pairs_each_prediction_with_its_ttft_per_workload(
     assert bins[(5.0, math.inf)].rejected == 1 and bins[(5.0, math.inf)].served == 0
     table = calibration.markdown({("kv_centric", "trace"): got["trace"]})
     assert "| kv_centric | trace | 1-2 s | 1 | 0 | 3.00 | 3.00 | 3.00 |" in table
-    assert calibration.size(tmp_path / "missing.log") == 0
+    assert conductor_log.size(tmp_path / "missing.log") == 0

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from benchmarks import conductor_log
 from benchmarks.e2e import calibration, client, report, spread, systems, workloads
 from benchmarks.machine import cpu_probe_s, describe
 from cluster.signals import stop_on_signals
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             tqdm.write(f"{tag}: started in {time.monotonic() - t0:.0f}s at {run.url} (cpu probe "
                        f"{probes[name][-1] * 1e3:.0f} ms before)"
                        + (f"; shape: {shapes[name]}" if shapes[name] else ""))
-            conductor_log = run.logs / "conductor.log" if run.logs is not None else None
+            log_path = run.logs / "conductor.log" if run.logs is not None else None
             try:
                 _warm_up(run)
                 if run.direct is not None:  # on the idle system: what the hop itself adds
@@ -252,12 +253,12 @@ def main(argv: list[str] | None = None) -> int:
                                f"with httpx through it; direct {o['direct_ms']:.1f} ms)")
                 for w in wls:
                     bar.set_description(f"{tag}: {w.name}")
-                    start = calibration.size(conductor_log)
+                    start = conductor_log.size(log_path)
                     recs, wall = asyncio.run(client.run(run.url, run.model, name, w.name,
                                                         w.requests, prompts,
                                                         on_done=lambda _r: bar.update()))
                     records += recs
-                    spans[w.name] = (start, calibration.size(conductor_log))
+                    spans[w.name] = (start, conductor_log.size(log_path))
                     s = report.summarize(recs, TTFT_SLO_S, TBT_SLO_S, wall)
                     runs.setdefault((name, w.name), []).append(s)
                     errors = sorted({r.error for r in recs if r.error})[:3]
@@ -276,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                                    f"{row['no_prewarm']['amortised_ms']:.0f} ms without")
             finally:
                 run.stop()
-                if conductor_log is not None and conductor_log.exists():  # our arms: admission
-                    for wname, preds in calibration.read_spans(conductor_log, spans).items():
+                if log_path is not None and log_path.exists():  # our arms: admission
+                    for wname, preds in calibration.read_spans(log_path, spans).items():
                         predictions.setdefault((name, wname), []).extend(preds)
     bar.close()
     elapsed = time.monotonic() - t_start

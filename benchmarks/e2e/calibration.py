@@ -10,7 +10,6 @@ sent (`read_spans`).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import sys
@@ -18,12 +17,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks import conductor_log
 from benchmarks.e2e.report import percentile
 
 BINS_S = (0.0, 0.3, 1.0, 2.0, 5.0, math.inf)
 """Bin edges of the predicted TTFT (seconds); 5 s is the benchmark's TTFT SLO."""
 
-_KV = re.compile(r"(\w+)=('[^']*'|\"[^\"]*\"|\S+)")
 _REJECTED = re.compile(r"predicted TTFT ([0-9.]+)s")
 
 
@@ -36,69 +35,43 @@ class Prediction:
     rejected: bool = False
 
 
-def _event(line: str) -> tuple[str, dict[str, str]]:
-    """A log line's event and fields, from either of `cluster.logging`'s formats."""
-    line = line.strip()
-    if line.startswith("{"):
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            return "", {}
-        return str(rec.get("event", "")), {k: str(v) for k, v in rec.items()}
-    _, sep, rest = line.partition("] ")
-    if not sep:
-        return "", {}
-    event, _, fields = rest.strip().partition(" ")
-    return event, {k: v.strip("'\"") for k, v in _KV.findall(fields)}
-
-
 def read(lines: Iterable[str]) -> list[Prediction]:
     """The requests routed or rejected in these conductor log lines (rejected ones first)."""
-    return split(((0, line) for line in lines), {"": (0, 1)})[""]
-
-
-def split(lines: Iterable[tuple[int, str]], spans: Mapping[str, tuple[int, int]]
-          ) -> dict[str, list[Prediction]]:
-    """`lines` with their byte offsets: the requests decided (routed or rejected) within each
-    named span [start, end) of offsets, each paired with its TTFT wherever in the log its
-    `timeline` line is (it is written after the answer: a slice cut when the client got its
-    last token can miss it)."""
-    routed: dict[str, tuple[str, float]] = {}
-    actual: dict[str, float] = {}
-    out: dict[str, list[Prediction]] = {name: [] for name in spans}
-
-    def span_of(offset: int) -> str | None:
-        return next((n for n, (a, b) in spans.items() if a <= offset < b), None)
-
-    for offset, line in lines:
-        event, kv = _event(line)
-        rid = kv.get("request_id", "")
-        if event == "timeline" and kv.get("status") == "200" and "ttft_ms" in kv:
-            actual[rid] = float(kv["ttft_ms"]) / 1e3
-        elif event in ("routed", "rejected") and (name := span_of(offset)) is not None:
-            if event == "routed" and "predicted_ttft_s" in kv:
-                routed.setdefault(rid, (name, float(kv["predicted_ttft_s"])))
-            elif event == "rejected" and (m := _REJECTED.search(kv.get("reason", ""))):
-                out[name].append(Prediction(rid, float(m.group(1)), None, rejected=True))
-    for rid, (name, predicted) in routed.items():
-        out[name].append(Prediction(rid, predicted, actual.get(rid)))
-    return out
+    return split((("", line) for line in lines), ("",))[""]
 
 
 def read_spans(path: Path, spans: Mapping[str, tuple[int, int]]) -> dict[str, list[Prediction]]:
-    """`split` over a log file."""
-    def numbered() -> Iterable[tuple[int, str]]:
-        offset = 0
-        with path.open("rb") as f:
-            for raw in f:
-                yield offset, raw.decode(errors="replace")
-                offset += len(raw)
-    return split(numbered(), spans)
+    """The requests decided (routed or rejected) within each named span [start, end) of the
+    log's byte offsets."""
+    def span_of(offset: int) -> str | None:
+        return next((n for n, (a, b) in spans.items() if a <= offset < b), None)
+
+    return split(((span_of(offset), line) for offset, line in conductor_log.lines(path)),
+                 tuple(spans))
 
 
-def size(path: Path | None) -> int:
-    """Where the next line of a log will start (0: no log)."""
-    return path.stat().st_size if path is not None and path.exists() else 0
+def split(lines: Iterable[tuple[str | None, str]], names: Sequence[str]
+          ) -> dict[str, list[Prediction]]:
+    """`lines`, each with the name of the part it belongs to (None: none of `names`): the
+    requests decided in each part, each paired with its TTFT wherever in the log its `timeline`
+    line is (written after the answer, it can fall in the next part)."""
+    routed: dict[str, tuple[str, float]] = {}
+    actual: dict[str, float] = {}
+    out: dict[str, list[Prediction]] = {name: [] for name in names}
+    for name, line in lines:
+        event, kv = conductor_log.parse(line)
+        rid = kv.get("request_id", "")
+        if event == "timeline" and kv.get("status") == "200" and "ttft_ms" in kv:
+            actual[rid] = float(kv["ttft_ms"]) / 1e3
+        elif name is None:
+            continue
+        elif event == "routed" and "predicted_ttft_s" in kv:
+            routed.setdefault(rid, (name, float(kv["predicted_ttft_s"])))
+        elif event == "rejected" and (m := _REJECTED.search(kv.get("reason", ""))):
+            out[name].append(Prediction(rid, float(m.group(1)), None, rejected=True))
+    for rid, (name, predicted) in routed.items():
+        out[name].append(Prediction(rid, predicted, actual.get(rid)))
+    return out
 
 
 @dataclass(frozen=True)

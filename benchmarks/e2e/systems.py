@@ -36,6 +36,7 @@ from pathlib import Path
 import grpc
 import httpx
 
+from benchmarks import conductor_log
 from cluster import shape
 from cluster.engine_spec import EngineSpec
 from cluster.ports import free_port
@@ -184,16 +185,14 @@ class _ServedBy:
         if request_id is None:
             return None
         if request_id not in self._seen:
-            with self._log.open("rb") as f:
-                f.seek(self._offset)
-                new = f.read()
-            self._offset += len(new)
-            for line in new.decode(errors="replace").splitlines():
-                if " timeline " in line:
-                    kv = dict(w.split("=", 1) for w in line.split() if "=" in w)
-                    rid = kv.get("client_request_id") or kv.get("request_id")
-                    if rid and "decode" in kv:
-                        self._seen[rid] = kv["decode"]
+            for offset, line in conductor_log.lines(self._log, self._offset):
+                if not line.endswith("\n"):  # still being written: read again next time
+                    break
+                self._offset = offset + len(line.encode())
+                event, kv = conductor_log.parse(line)
+                rid = kv.get("client_request_id") or kv.get("request_id")
+                if event == "timeline" and rid and "decode" in kv:
+                    self._seen[rid] = kv["decode"]
         return self._seen.get(request_id)
 
 
