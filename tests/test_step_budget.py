@@ -1,6 +1,6 @@
 """`worker.step_budget`: while streams run, a step's tokens fit a target time by the engine's own
 learned step cost and shrink with the context its prompt chunk attends to; while none does, a
-step gets the engine's whole budget."""
+step gets the engine's whole budget; a step that finishes a prompt carries no other's chunk."""
 
 from __future__ import annotations
 
@@ -71,13 +71,28 @@ def test_a_step_with_no_stream_to_hold_up_gets_the_engines_whole_budget():
     install(2000, 256, cls)
     s = cls()
     s.schedule()  # nothing running
-    s.running = [_Req(2000, 3000), _Req(0, 3000)]  # prompts only, deep in one of them
+    s.running = [_Req(0, 3000), _Req(0, 3000)]  # prompts only
     s.schedule()
-    s.running.append(_Req(3000, 3000))  # a stream joins
+    s.running = [_Req(2000, 3000), _Req(0, 3000), _Req(3000, 3000)]  # deep in one; a stream
     s.schedule()
     s.running = [_Req(0, 3000)]  # it ended
     s.schedule()
     assert s.seen == [2048, 2048, 128, 2048]
+
+
+def test_a_step_that_finishes_a_prompt_carries_no_other_prompts_chunk():
+    cls = type("Sched", (_Scheduler,), {})
+    install(2000, 256, cls)
+    s = cls()
+    s.running = [_Req(2048, 2252), _Req(0, 2242)]  # the first's last 204 tokens, alone
+    s.schedule()
+    s.running = [_Req(2040, 2048), _Req(0, 2242)]  # 8 left: a chunk of at least MIN_CHUNK
+    s.schedule()
+    s.running = [_Req(1000, 3000), _Req(3000, 3000), _Req(3000, 3000)]  # beside two streams
+    s.schedule()
+    s.running = [_Req(2990, 3000), _Req(3000, 3000), _Req(3000, 3000)]
+    s.schedule()
+    assert s.seen == [204, MIN_CHUNK, 170, 2 + MIN_CHUNK]
 
 
 def test_the_streams_budget_never_exceeds_the_engines():
@@ -143,3 +158,142 @@ def test_the_engine_core_utility_sets_its_schedulers_target():
     core.scheduler = cls()
     assert core.kvcluster_step_target(75.0) == 75.0
     assert core.scheduler._kvcluster_target_ms == 75.0
+
+
+@dataclass
+class _Waiting:
+    num_prompt_tokens: int
+    num_computed_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens
+
+
+class _Queue:
+    def __init__(self, *reqs: _Waiting) -> None:
+        self.reqs = list(reqs)
+
+    def __bool__(self) -> bool:
+        return bool(self.reqs)
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def peek_request(self) -> _Waiting:
+        return self.reqs[0]
+
+    def pop_request(self) -> _Waiting:
+        return self.reqs.pop(0)
+
+
+@dataclass
+class _Admitting(_Scheduler):
+    """vLLM's `Scheduler` with its waiting loop: running requests first, then waiting ones in
+    order while budget is left and the queue answers non-empty."""
+    waiting: _Queue = field(default_factory=_Queue)
+    kv_holding_waiting: _Queue = field(default_factory=_Queue)
+    took: list = field(default_factory=list)
+
+    def schedule(self, wanted: int = 10**9) -> _Out:
+        budget = self.max_num_scheduled_tokens
+        self.seen.append(budget)
+        for r in self.running:
+            take = min(r.num_prompt_tokens - r.num_computed_tokens or 1, budget)
+            budget -= take
+        while budget > 0:
+            queue = self.kv_holding_waiting or self.waiting
+            if not queue:
+                break
+            r = queue.pop_request()
+            take = min(r.num_tokens - r.num_computed_tokens, budget)
+            budget -= take
+            self.took.append(take)
+            self.running.append(r)
+        return _Out(self.max_num_scheduled_tokens - budget)
+
+
+def test_a_prompt_admitted_from_the_queue_is_followed_only_by_prompts_that_ride_along():
+    cls = type("Sched", (_Admitting,), {})
+    install(2000, 256, cls)
+    s = cls()
+    s.waiting = _Queue(_Waiting(1000), _Waiting(1000))  # two cold prompts: one at a time
+    s.schedule()
+    assert s.took == [1000] and len(s.waiting) == 1
+    s.running, s.took = [], []
+    s.waiting = _Queue(_Waiting(64), _Waiting(10), _Waiting(8), _Waiting(900))
+    s.schedule()  # the short ones ride along (at most MIN_CHUNK before the cost is learned)
+    assert s.took == [64, 10, 8] and len(s.waiting) == 1
+    assert isinstance(s.waiting, _Queue)  # the step's view is gone once it is scheduled
+
+
+def test_prompts_ride_along_while_they_cost_less_than_a_steps_fixed_cost():
+    cost = StepCost(2000)
+    assert cost.rides_along(MIN_CHUNK) and not cost.rides_along(MIN_CHUNK + 1)
+    cost.observe(15, 0, 0)  # fixed 15 ms
+    cost.observe(15 + 256 * 0.5, 256, 0)  # 0.5 ms a token
+    assert cost.rides_along(30) and not cost.rides_along(31)
+
+
+@pytest.fixture(scope="module")
+def vllm_scheduler(model_dir):
+    """vLLM's own `Scheduler` over the tiny model (no engine: the scheduler alone, with a
+    1,024-token budget, chunked prefill and prefix caching), as a class to install on."""
+    import torch
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    cache = CacheConfig(block_size=16, enable_prefix_caching=True)
+    cache.num_gpu_blocks = 1000
+    config = VllmConfig(
+        model_config=ModelConfig(model=model_dir, dtype="float32", max_model_len=2048),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=16,
+                                         max_model_len=2048, enable_chunked_prefill=True,
+                                         is_encoder_decoder=False),
+        cache_config=cache)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    kv = KVCacheConfig(num_blocks=1000, kv_cache_tensors=[],
+                       kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(16, sha256)
+
+    def make(cls):
+        return cls(config, kv, StructuredOutputManager(config), block_size=16)
+
+    def request(name: str, first: int, tokens: int):
+        return Request(name, list(range(first, first + tokens)), SamplingParams(max_tokens=4),
+                       None, block_hasher=hasher)
+
+    return Scheduler, make, request
+
+
+def test_vllms_scheduler_with_the_budget_finishes_a_prompt_before_packing_the_next(
+        vllm_scheduler):
+    """On vLLM's own scheduler (its queues, its loops): without the budget, the step that
+    finishes a prompt is filled with the next one's chunk; with it, that step carries the
+    finishing prompt alone, and a fresh prompt admitted whole is followed by a short one only."""
+    Scheduler, make, request = vllm_scheduler
+
+    def steps(cls) -> list[dict[str, int]]:
+        s = make(cls)
+        s.add_request(request("a", 1, 1100))
+        first = s.schedule().num_scheduled_tokens  # 1,024 of its 1,100
+        for r in (request("b", 2001, 900), request("c", 3001, 10)):
+            s.add_request(r)
+        second = s.schedule().num_scheduled_tokens
+        fresh = make(cls)
+        for r in (request("d", 4001, 200), request("f", 6001, 12), request("e", 5001, 700)):
+            fresh.add_request(r)
+        return [first, second, fresh.schedule().num_scheduled_tokens]
+
+    assert steps(Scheduler) == [{"a": 1024}, {"a": 76, "b": 900, "c": 10},
+                                {"d": 200, "f": 12, "e": 700}]
+    cls = type("Budgeted", (Scheduler,), {})
+    install(2000, 256, cls)
+    assert steps(cls) == [{"a": 1024}, {"a": 76}, {"d": 200, "f": 12}]

@@ -24,11 +24,23 @@ timed, `b * h / (h + c)`. A step with no stream to hold up gets the configured b
 (vLLM's, 2048 unless set): no one waits on its end but the requests queued behind the
 prompt, which vLLM schedules only once the prompt's last chunk leaves budget over, so they
 wait for the whole prefill either way, and fewer steps finish it sooner (each step costs its
-own fixed time, and a cold 2,000-token prompt takes 14 steps at 128-256 tokens)."""
+own fixed time, and a cold 2,000-token prompt takes 14 steps at 128-256 tokens).
+
+A step that finishes a prompt carries no other prompt's chunk (`finish_first`): on CPU a step's
+time grows with every token it carries, so a chunk packed beside the last one of a prompt only
+delays that prompt's first token, and the packed prompt, unfinished, is no sooner done. vLLM
+fills whatever budget a finishing prompt leaves: measured (bench-e2e, shared_prefix, an idle
+engine's 2,048-token budget), a cold 2,252-token prompt's last 204 tokens went into a step
+with 1,844 of the next prompt's, 1.10 s instead of ~0.2, and its first token came 2.3 s after
+it arrived instead of 1.4. A waiting prompt still joins such a step when its tokens cost less
+than a step's fixed cost (`StepCost.rides_along`): a second step would cost it more."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 MIN_CHUNK = 16
 """Prompt tokens a step may always carry beside its streams' (one per stream)."""
@@ -78,6 +90,13 @@ class StepCost:
             unit = max(ms - (self.fixed_ms or 0.0), 0.0) / (prompt_tokens * self._weight(context))
             self.unit_ms = _average(self.unit_ms, unit)
 
+    def rides_along(self, tokens: int) -> bool:
+        """Whether `tokens` prompt tokens cost a step less than its fixed cost (at most
+        `MIN_CHUNK` before both are learned)."""
+        if self.unit_ms and self.fixed_ms:
+            return tokens * self.unit_ms <= self.fixed_ms
+        return tokens <= MIN_CHUNK
+
     def tokens(self, target_ms: float, context: int) -> int | None:
         """Prompt tokens a step at `context` can carry in `target_ms` (None: not learned)."""
         if not self.unit_ms:
@@ -116,7 +135,8 @@ def install(half_at: int, shared: int, scheduler_cls: type | None = None,
             self.max_num_scheduled_tokens = budget(min(shared, solo), context, half_at, streams)
         else:
             self.max_num_scheduled_tokens = _bounded(streams + learned, streams, solo)
-        out = original(self, *args, **kwargs)
+        with finish_first(self, streams, cost):
+            out = original(self, *args, **kwargs)
         if out.total_num_scheduled_tokens:
             pending = self.__dict__.setdefault("_kvcluster_pending", {})
             if len(pending) > 8:  # outputs never updated (not vLLM's way): forget them
@@ -136,6 +156,57 @@ def install(half_at: int, shared: int, scheduler_cls: type | None = None,
     scheduler_cls.schedule = schedule
     scheduler_cls.update_from_output = update_from_output
     scheduler_cls._kvcluster_step_context = half_at
+
+
+@contextmanager
+def finish_first(scheduler: Any, streams: int, cost: StepCost) -> Iterator[None]:
+    """While `scheduler` (vLLM's) schedules one step: the budget ends where its first prompt in
+    progress does (that prompt's remaining tokens beside the streams' one each, or
+    `MIN_CHUNK`), and once a waiting prompt has been admitted (with budget left, it finishes
+    in this step) only prompts that `cost.rides_along` follow it. vLLM schedules its running
+    requests in order, then takes waiting ones while budget is left and their queue is
+    non-empty: that test is answered here, by a view of each queue."""
+    for r in scheduler.running:
+        if r.num_computed_tokens < r.num_prompt_tokens:
+            left = getattr(r, "num_tokens", r.num_prompt_tokens) - r.num_computed_tokens
+            scheduler.max_num_scheduled_tokens = min(
+                scheduler.max_num_scheduled_tokens, streams + max(left, MIN_CHUNK))
+            break
+    names = [n for n in ("waiting", "kv_holding_waiting") if hasattr(scheduler, n)]
+    queues = {n: getattr(scheduler, n) for n in names}
+    admitted_after = len(scheduler.running)
+    for n, q in queues.items():
+        setattr(scheduler, n, _Gated(q, scheduler.running, admitted_after, cost))
+    try:
+        yield
+    finally:
+        for n, q in queues.items():
+            setattr(scheduler, n, q)
+
+
+class _Gated:
+    """A waiting queue as one step's scheduling sees it: empty once a prompt has been admitted
+    in this step (`running` grew past `admitted_after`), unless its head rides along."""
+
+    def __init__(self, queue: Any, running: list, admitted_after: int, cost: StepCost) -> None:
+        self._queue, self._running, self._after, self._cost = queue, running, admitted_after, cost
+
+    def __bool__(self) -> bool:
+        if not self._queue:
+            return False
+        if len(self._running) <= self._after:
+            return True
+        head = self._queue.peek_request()
+        return self._cost.rides_along(head.num_tokens - head.num_computed_tokens)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._queue)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._queue, name)
 
 
 def set_target(scheduler: object, target_ms: float) -> float | None:
