@@ -218,7 +218,7 @@ class Pipeline:
                                             and not outcome.migrations,
                                             first=first_token, sent=dispatch.announce):
                 if first:
-                    dispatch.first_token()
+                    dispatch.first_token(outcome.cached_tokens)
                     first = False
                 dispatch.tokens(delta.token_ids, record=delta.index == 0)
                 rec.streamed(delta)

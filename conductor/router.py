@@ -76,6 +76,8 @@ class Router:
         self.policy = POLICIES[config.policy]
         self.index = KVIndex(config.index_max_blocks, config.predicted_ttl_s)
         self.prefill_fit = PrefillTimeFitter()
+        self._speeds_against = self.prefill_fit.model
+        """The model the instances' speeds were last computed against (`LoadState.respeed`)."""
         self.tbt_fit = TbtFitter()
         self.warm: set[str] = set()
         """Prefill instances whose first prefill completed: that one is not timed."""
@@ -100,8 +102,8 @@ class Router:
     def instance_joined(self, inst: Instance) -> None:
         self.index.add_location(inst.instance_id)
         if inst.info.prefill_probe_s > 0:  # its speed before its first request
-            inst.load.observe_prefill(inst.info.prefill_probe_s,
-                                      self.prefill_fit.model.predict(PROBE_TOKENS, 0))
+            inst.load.observe_prefill(PROBE_TOKENS, 0, inst.info.prefill_probe_s,
+                                      self.prefill_fit.model)
         self._params = None
         if self.follower is not None:
             self.follower.follow(inst)
@@ -149,6 +151,10 @@ class Router:
     def snapshot(self, now: float, block_size: int) -> ClusterSnapshot:
         self.prefill_fit.refresh(now)
         self.tbt_fit.refresh(now)
+        if self._speeds_against is not self.prefill_fit.model:  # refitted: speeds follow it
+            self._speeds_against = self.prefill_fit.model
+            for inst in self.registry.all():
+                inst.load.respeed(self._speeds_against)
         self.registry.mark_changed(self.index.take_changed())
         return self.registry.snapshot(now, self.params(block_size), self.index.blocks)
 
@@ -295,14 +301,28 @@ class Dispatch:
             self.router.prefill_fit.observe(uncached, num_cached_tokens,
                                             seconds / p.prefill_speed, exact=solo, now=now)
 
-    def first_token(self) -> None:
+    def first_token(self, num_cached_tokens: int | None = None) -> None:
+        """The first token is out. A prompt the decode instance computed itself (`num_cached_
+        tokens`: what its engine reported not computing, else as the route predicted) is
+        timed like a prefill instance's, with the conductor's clock: from its dispatch when no
+        other prefill was in flight there (prompts sent after it wait for it: its engine
+        finishes one prompt before packing the next, `worker.step_budget.finish_first`), else
+        from the instance's previous completion. Untimed, the model of an arm that computes
+        most prompts where they decode stayed at its prior, and predicted a quarter of what
+        cold prompts took (bench-e2e run 11)."""
         now = time.monotonic()
         self._first_token_at = self._last_token_at = now
         if self._prefill_open:  # prefilled by the decode instance itself, saving it now
             self.router.index.predict(POOL, self.block_hashes, now)
-            solo, service = self._end_prefill(now)
+            _, service = self._end_prefill(now)
             r = self.route
-            self._timed(r.uncached_tokens, r.cached_blocks * self.block_size, service, solo)
+            cached = (r.cached_blocks * self.block_size if num_cached_tokens is None
+                      else num_cached_tokens)
+            uncached = self.num_prompt_tokens - cached
+            if self._timed(uncached, cached, service, self._solo):
+                self.router.prefill_fit.observe(uncached, cached,
+                                                service / self.prefill.load.prefill_speed,
+                                                exact=self._solo, now=now)
         else:  # the decode instance loaded the prefill's blocks
             self.router.index.predict(self.decode.instance_id, self.block_hashes, now)
 
@@ -323,7 +343,8 @@ class Dispatch:
                 seconds, predicted * self.prefill.load.prefill_speed)):
             return False
         if exact and uncached >= SPEED_MIN_TOKENS:
-            self.prefill.load.observe_prefill(seconds, predicted)
+            self.prefill.load.observe_prefill(uncached, cached, seconds,
+                                              self.router.prefill_fit.model)
         return True
 
     def tokens(self, token_ids: list[int], record: bool = True) -> None:

@@ -11,7 +11,7 @@ from cluster.instance import cpu_list
 from conductor.config import POLICIES as CONFIG_POLICIES
 from conductor.scheduler.decode_model import TbtFitter, TbtModel
 from conductor.scheduler.index import POOL, KVIndex
-from conductor.scheduler.load import LoadState
+from conductor.scheduler.load import SPEED_RANGE, SPEED_WINDOW, LoadState
 from conductor.scheduler.policies.cache_aware import cache_aware
 from conductor.scheduler.policies.kv_centric import kv_centric
 from conductor.scheduler.policies.least_loaded import least_loaded
@@ -263,17 +263,23 @@ def test_an_instance_measured_slower_gets_a_prompt_only_when_it_ends_it_sooner()
 
 
 def test_an_instance_speed_follows_its_timings_over_the_model():
+    model = PrefillTimeModel(base_s=0.0, per_token_s=1e-3, per_attn_s=0.0)  # 1 ms a token
     load = LoadState("p0", "prefill", BS)
     assert load.view().prefill_speed == 1.0
-    load.observe_prefill(0.8, 0.2)
+    load.observe_prefill(200, 0, 0.8, model)
     assert load.view().prefill_speed == pytest.approx(4.0)  # the first timing counts whole
-    load.observe_prefill(0.4, 0.2)
+    load.observe_prefill(400, 100, 0.8, model)
     assert load.view().prefill_speed == pytest.approx(3.0)  # then a mean
-    for _ in range(100):
-        load.observe_prefill(1e-6, 1.0)  # no faster than the floor
-    assert load.view().prefill_speed == pytest.approx(0.2, rel=0.01)
-    load.observe_prefill(0.0, 1.0)  # no timing: unchanged
-    assert load.view().prefill_speed == pytest.approx(0.2, rel=0.01)
+    load.respeed(PrefillTimeModel(base_s=0.0, per_token_s=2e-3, per_attn_s=0.0))
+    assert load.view().prefill_speed == pytest.approx(1.5)  # against a refitted model
+    for _ in range(SPEED_WINDOW):
+        load.observe_prefill(1000, 0, 1e-6, model)  # no faster than the floor
+    assert load.view().prefill_speed == pytest.approx(SPEED_RANGE[0])
+    load.observe_prefill(1000, 0, 0.0, model)  # no timing: unchanged
+    assert load.view().prefill_speed == pytest.approx(SPEED_RANGE[0])
+    for _ in range(SPEED_WINDOW):
+        load.observe_prefill(1000, 0, 2.0, model)  # the last timings only
+    assert load.view().prefill_speed == pytest.approx(2.0)
 
 
 def test_engines_sharing_cores_gain_nothing_from_disaggregating():

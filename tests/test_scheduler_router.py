@@ -322,3 +322,34 @@ async def test_a_workers_probe_sets_its_speed_and_its_timings_refine_it(model_di
         assert p1.prefill_speed == pytest.approx(2.0)
         assert router.prefill_fit._obs._rows[-1][1] == pytest.approx(seconds / 2)
     assert router.prefill_fit.model.predict(2048, 0) == pytest.approx(model.predict(2048, 0))
+
+
+async def test_a_prompt_computed_where_it_decodes_is_timed_for_the_prefill_model(
+        model_dir, monkeypatch):
+    """make run's shape computes most prompts on the instance that decodes them: untimed, the
+    shared model stayed at its prior (bench-e2e run 11: 0.26 s predicted for a cold 2,250-token
+    prompt that takes ~1.1 s). Timed from dispatch to first token when alone, with the
+    engine's own count of what it did not compute; the instance's speed takes its share."""
+    registry = Registry()
+    router = Router(ConductorConfig(model=model_dir, etcd="127.0.0.1:1", kv_events=False),
+                    registry)
+    registry.sync({"b0": _member("b0", "both", 1)})
+    router.warm.add("b0")
+    clock = [100.0]
+    monkeypatch.setattr("conductor.router.time",
+                        type("Clock", (), {"monotonic": staticmethod(lambda: clock[0])}))
+    prior = router.prefill_fit.model
+    for n in range(4):
+        tokens = list(range(n * 5000, n * 5000 + 2048))
+        d = router.route(f"r{n}", tokens, tuple(block_hashes(tokens, BS)), 4, BS)
+        assert not d.route.disaggregated
+        clock[0] += 4 * prior.predict(1024, 1024)
+        d.first_token(num_cached_tokens=1024)  # the engine found half of it cached
+        d.release()
+    rows = router.prefill_fit._obs._rows
+    assert len(rows) == 4 and rows[0][0][1] == 1024.0  # its uncached tokens, as reported
+    speed = registry.get("b0").load.prefill_speed
+    assert speed > 1.0
+    assert router.prefill_fit.model.predict(1024, 1024) * speed == pytest.approx(
+        4 * prior.predict(1024, 1024), rel=0.25)
+    await registry.close()

@@ -13,9 +13,11 @@ when each is predicted to finish.
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from conductor.scheduler.prefill_model import PrefillTimeModel
 from conductor.scheduler.snapshot import InstanceLoad
 
 SPEED_WINDOW = 8
@@ -60,7 +62,8 @@ class LoadState:
         """Where it computes (`snapshot.contention`), from its registration."""
         self.prefill_speed = 1.0
         """Its prefill times over the fitted model's predictions, averaged (`observe_prefill`)."""
-        self._speed_seen = 0
+        self._timings: deque[tuple[int, int, float]] = deque(maxlen=SPEED_WINDOW)
+        """Its last prefills that count towards its speed: (uncached, cached, seconds)."""
         self.on_change: Callable[[str], None] | None = None
         """Told the instance id whenever the load changes (the registry's snapshot upkeep)."""
 
@@ -107,17 +110,28 @@ class LoadState:
         previous completion): the service time of the request completing now."""
         return now - self._head_started
 
-    def observe_prefill(self, seconds: float, predicted_s: float) -> None:
-        """A prefill of this instance took `seconds` where the fitted model predicted
-        `predicted_s`: the ratio joins its speed (a running mean over the first
-        `SPEED_WINDOW`, then an exponential one), clamped to `SPEED_RANGE`."""
-        if seconds <= 0 or predicted_s <= 0:
+    def observe_prefill(self, uncached: int, cached: int, seconds: float,
+                        model: PrefillTimeModel) -> None:
+        """A prefill of this instance computed `uncached` tokens after `cached` in `seconds`:
+        its speed becomes its last `SPEED_WINDOW` timings' mean ratio to `model`."""
+        if seconds <= 0 or uncached <= 0:
             return
-        self._speed_seen += 1
-        ratio = min(max(seconds / predicted_s, SPEED_RANGE[0]), SPEED_RANGE[1])
-        weight = max(1.0 / self._speed_seen, 1.0 / SPEED_WINDOW)
-        self.prefill_speed += weight * (ratio - self.prefill_speed)
-        self._changed()
+        self._timings.append((uncached, cached, seconds))
+        self.respeed(model)
+
+    def respeed(self, model: PrefillTimeModel) -> None:
+        """Its speed against `model` (the fitted model changed): the mean ratio of its timings
+        to the model's predictions, clamped to `SPEED_RANGE`. Kept as a running mean of ratios
+        taken when they came, a speed outlived the model it was measured against: as the model
+        learned, the speeds learned against its prior multiplied it again (an engine whose
+        start-up probe had run slow was priced 1.2-2.1 times what it took)."""
+        if not self._timings:
+            return
+        ratios = [seconds / max(model.predict(u, c), 1e-9) for u, c, seconds in self._timings]
+        speed = min(max(sum(ratios) / len(ratios), SPEED_RANGE[0]), SPEED_RANGE[1])
+        if speed != self.prefill_speed:
+            self.prefill_speed = speed
+            self._changed()
 
     def prefills_in_flight(self) -> int:
         return len(self._prefills)
