@@ -14,6 +14,7 @@ from worker.step_budget import (
     budget,
     install,
     install_control,
+    install_finish_first,
     set_target,
 )
 
@@ -297,3 +298,24 @@ def test_vllms_scheduler_with_the_budget_finishes_a_prompt_before_packing_the_ne
     cls = type("Budgeted", (Scheduler,), {})
     install(2000, 256, cls)
     assert steps(cls) == [{"a": 1024}, {"a": 76}, {"d": 200, "f": 12}]
+
+
+def test_an_engine_without_a_step_budget_finishes_its_prompts_first(vllm_scheduler):
+    """A CPU prefill engine (no streams, no step budget): its steps keep vLLM's budget, but the
+    one that finishes a prompt carries no other's chunk; a budgeted engine's install wins."""
+    Scheduler, make, request = vllm_scheduler
+    cls = type("Prefill", (Scheduler,), {})
+    install_finish_first(cls)
+    install_finish_first(cls)  # idempotent
+    s = make(cls)
+    s.add_request(request("a", 1, 1100))
+    s.add_request(request("b", 2001, 900))
+    assert s.schedule().num_scheduled_tokens == {"a": 1024}
+    assert s.schedule().num_scheduled_tokens == {"a": 76}
+    assert s.max_num_scheduled_tokens == 1024  # the cap held for that step only
+    assert s.schedule().num_scheduled_tokens == {"b": 900}
+    budgeted = type("Budgeted", (Scheduler,), {})
+    install(2000, 256, budgeted)
+    wrapped = budgeted.schedule
+    install_finish_first(budgeted)
+    assert budgeted.schedule is wrapped

@@ -166,11 +166,11 @@ def finish_first(scheduler: Any, streams: int, cost: StepCost) -> Iterator[None]
     in this step) only prompts that `cost.rides_along` follow it. vLLM schedules its running
     requests in order, then takes waiting ones while budget is left and their queue is
     non-empty: that test is answered here, by a view of each queue."""
+    budget = scheduler.max_num_scheduled_tokens
     for r in scheduler.running:
         if r.num_computed_tokens < r.num_prompt_tokens:
             left = getattr(r, "num_tokens", r.num_prompt_tokens) - r.num_computed_tokens
-            scheduler.max_num_scheduled_tokens = min(
-                scheduler.max_num_scheduled_tokens, streams + max(left, MIN_CHUNK))
+            scheduler.max_num_scheduled_tokens = min(budget, streams + max(left, MIN_CHUNK))
             break
     names = [n for n in ("waiting", "kv_holding_waiting") if hasattr(scheduler, n)]
     queues = {n: getattr(scheduler, n) for n in names}
@@ -180,8 +180,29 @@ def finish_first(scheduler: Any, streams: int, cost: StepCost) -> Iterator[None]
     try:
         yield
     finally:
+        scheduler.max_num_scheduled_tokens = budget
         for n, q in queues.items():
             setattr(scheduler, n, q)
+
+
+def install_finish_first(scheduler_cls: type | None = None) -> None:
+    """`finish_first` alone, for every step of an engine with no step budget (a CPU prefill
+    engine: its steps carry no streams; idempotent)."""
+    if scheduler_cls is None:
+        from vllm.v1.core.sched.scheduler import Scheduler as scheduler_cls
+    if getattr(scheduler_cls, "_kvcluster_step_context", None) is not None or getattr(
+            scheduler_cls, "_kvcluster_finish_first", False):
+        return
+    original = scheduler_cls.schedule
+    cost = StepCost(1)  # never learned: prompts of `MIN_CHUNK` tokens ride along
+
+    def schedule(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        streams = sum(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running)
+        with finish_first(self, streams, cost):
+            return original(self, *args, **kwargs)
+
+    scheduler_cls.schedule = schedule
+    scheduler_cls._kvcluster_finish_first = True
 
 
 class _Gated:

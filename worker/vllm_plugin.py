@@ -18,6 +18,9 @@ serving processes (`cluster.shape.Engine.engine_core_cpus`).
 `KVCLUSTER_CPU_SEEDS` (set by every CPU engine): seeded requests prefilled in chunks do not
 kill the engine (`_chunkable_cpu_seeds`).
 
+`KVCLUSTER_FINISH_FIRST` (set by every CPU engine): the step that finishes a prompt carries no
+other prompt's chunk (`worker.step_budget.finish_first`; part of every step budget below).
+
 `KVCLUSTER_STEP_LOG=<dir>`: the engine core records its step times there (`worker.step_log`).
 
 `KVCLUSTER_STEP_CONTEXT_TOKENS=<h>`, `KVCLUSTER_STEP_TOKENS=<b>` and `KVCLUSTER_STEP_MS=<t>`: while
@@ -56,6 +59,9 @@ PARENT_ENV = "KVCLUSTER_ENGINE_PARENT"
 """The pid of the process that starts the engine (`_die_with_parent`)."""
 CPU_SEEDS_ENV = "KVCLUSTER_CPU_SEEDS"
 """Set (by `worker.engine` on CPU): seeded requests get generators that survive chunking."""
+FINISH_FIRST_ENV = "KVCLUSTER_FINISH_FIRST"
+"""Set (by `worker.engine` on CPU): an engine without a step budget still finishes a prompt
+before packing the next (`worker.step_budget.finish_first`; a budgeted one always does)."""
 
 
 def register() -> None:
@@ -67,6 +73,8 @@ def register() -> None:
         step_budget.install(int(os.environ[STEP_CONTEXT_ENV]), int(os.environ[STEP_TOKENS_ENV]),
                             target_ms=float(os.environ.get(STEP_MS_ENV) or 0))
         step_budget.install_control()
+    elif os.environ.get(FINISH_FIRST_ENV):
+        step_budget.install_finish_first()
     _spin()
     if os.environ.get(CPU_SEEDS_ENV):
         _chunkable_cpu_seeds()
