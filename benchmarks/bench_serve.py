@@ -40,6 +40,7 @@ from cluster.signals import stop_on_signals
 from worker import step_log
 from worker.dtype import resolve as resolve_dtype
 from worker.engine import IPC_ENV
+from worker.vllm_plugin import CPU_VLLM_ENV
 
 EXTRA: list[str] = []
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,6 +115,7 @@ def start_plain(model: str, kv_bytes: int, block_size: int, max_model_len: int,
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "VLLM_CPU_OMP"))}
     if os.environ.get("VLLM_CPU_OMP_THREADS_BIND_X"):
         env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ["VLLM_CPU_OMP_THREADS_BIND_X"]
+    env = {**CPU_VLLM_ENV, **env}  # as our engines start
     env[IPC_ENV] = tempfile.mkdtemp(prefix="vllm-ipc-")  # vLLM leaves its sockets behind
     proc = ManagedProcess("vllm-serve", argv, run_dir / "vllm-serve.log", env=env,
                           scratch=env[IPC_ENV]).start()

