@@ -97,6 +97,14 @@ E2E_ARGS ?=
 bench-e2e: install
 	$(PY) -m benchmarks.e2e $(E2E_ARGS)
 
+# Bursts of cold long prompts through make run's shape, with vLLM's step packing and with ours
+# (a step that finishes a prompt carries no other's chunk), alternating; results in docs/burst/
+# (last line: summary). About 12 minutes. BURST_ARGS: e.g. --reps 1 --bursts 3.
+BURST_ARGS ?=
+.PHONY: bench-burst
+bench-burst: install
+	$(PY) -m benchmarks.bench_burst $(BURST_ARGS)
+
 # Kill workers, the store master and etcd under traffic; classify every answer against a
 # single-engine reference (docs/reliability.md; last line: summary). CHAOS_ARGS: e.g.
 # --requests 40 --faults decode,etcd.

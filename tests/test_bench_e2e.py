@@ -324,3 +324,19 @@ def test_admission_calibration_pairs_each_prediction_with_its_ttft_per_workload(
     table = calibration.markdown({("kv_centric", "trace"): got["trace"]})
     assert "| kv_centric | trace | 1-2 s | 1 | 0 | 3.00 | 3.00 | 3.00 |" in table
     assert conductor_log.size(tmp_path / "missing.log") == 0
+
+
+def test_bench_burst_summarises_by_position_and_leaves_failures_out(tmp_path: Path) -> None:
+    from benchmarks.bench_burst import _plot, _summary
+
+    reps = [{"variant": "ours", "bursts": [[1.0, 2.0, None], [3.0, 4.0, 5.0]],
+             "actual_vs_predicted": [1.0, 2.0, 4.0]},
+            {"variant": "vllm", "bursts": [[9.0]], "actual_vs_predicted": []}]
+    s = _summary(reps, "ours")
+    assert (s["n"], s["ok"], s["max_s"]) == (6, 5, 5.0)
+    assert s["mean_s"] == pytest.approx(3.0) and s["first_two_s"] == pytest.approx(2.5)
+    assert s["by_position"] == [(2.0, 1.0, 3.0), (3.0, 2.0, 4.0), (5.0, 5.0, 5.0)]
+    assert s["actual_vs_predicted"] == 2.0
+    assert math.isnan(_summary(reps, "vllm")["actual_vs_predicted"])
+    _plot({"vllm": _summary(reps, "vllm"), "ours": s}, tmp_path / "burst.png")
+    assert (tmp_path / "burst.png").stat().st_size > 0

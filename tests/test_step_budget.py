@@ -298,6 +298,9 @@ def test_vllms_scheduler_with_the_budget_finishes_a_prompt_before_packing_the_ne
     cls = type("Budgeted", (Scheduler,), {})
     install(2000, 256, cls)
     assert steps(cls) == [{"a": 1024}, {"a": 76}, {"d": 200, "f": 12}]
+    packing = type("Packing", (Scheduler,), {})
+    install(2000, 256, packing, finish=False)  # make bench-burst's baseline: vLLM's packing
+    assert steps(packing) == steps(Scheduler)
 
 
 def test_an_engine_without_a_step_budget_finishes_its_prompts_first(vllm_scheduler):

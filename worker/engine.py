@@ -77,7 +77,7 @@ class Engine:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         if self.config.device == "cpu":  # read by its engine's processes (`worker.vllm_plugin`)
             os.environ[CPU_SEEDS_ENV] = "1"
-            os.environ[FINISH_FIRST_ENV] = "1"
+            os.environ.setdefault(FINISH_FIRST_ENV, "1")
             for k, v in CPU_VLLM_ENV.items():
                 os.environ.setdefault(k, v)
         self._claim_ipc_dir()

@@ -106,12 +106,14 @@ class StepCost:
 
 
 def install(half_at: int, shared: int, scheduler_cls: type | None = None,
-            target_ms: float = 0.0, clock=time.monotonic) -> None:  # type: ignore[no-untyped-def]
+            target_ms: float = 0.0, clock=time.monotonic,  # type: ignore[no-untyped-def]
+            finish: bool = True) -> None:
     """Every step of this process's vLLM scheduler (`scheduler_cls`, default vLLM's
     `Scheduler`) gets the budget for its running streams and prompts' context: while a
     stream runs, what fits `target_ms` by the engine's learned `StepCost` (before it has
     learned, or with no target, `shared` shrunk by the context), at most the configured
-    budget; while none runs, the configured one (idempotent; `clock`: seconds)."""
+    budget; while none runs, the configured one; and, with `finish`, `finish_first`
+    (idempotent; `clock`: seconds)."""
     if scheduler_cls is None:
         from vllm.v1.core.sched.scheduler import Scheduler as scheduler_cls
     if getattr(scheduler_cls, "_kvcluster_step_context", None) is not None:
@@ -135,7 +137,10 @@ def install(half_at: int, shared: int, scheduler_cls: type | None = None,
             self.max_num_scheduled_tokens = budget(min(shared, solo), context, half_at, streams)
         else:
             self.max_num_scheduled_tokens = _bounded(streams + learned, streams, solo)
-        with finish_first(self, streams, cost):
+        if finish:
+            with finish_first(self, streams, cost):
+                out = original(self, *args, **kwargs)
+        else:
             out = original(self, *args, **kwargs)
         if out.total_num_scheduled_tokens:
             pending = self.__dict__.setdefault("_kvcluster_pending", {})

@@ -18,8 +18,9 @@ serving processes (`cluster.shape.Engine.engine_core_cpus`).
 `KVCLUSTER_CPU_SEEDS` (set by every CPU engine): seeded requests prefilled in chunks do not
 kill the engine (`_chunkable_cpu_seeds`).
 
-`KVCLUSTER_FINISH_FIRST` (set by every CPU engine): the step that finishes a prompt carries no
-other prompt's chunk (`worker.step_budget.finish_first`; part of every step budget below).
+`KVCLUSTER_FINISH_FIRST` (1 for every CPU engine unless set): the step that finishes a prompt
+carries no other prompt's chunk (`worker.step_budget.finish_first`; part of every step budget
+below unless 0).
 
 `KVCLUSTER_STEP_LOG=<dir>`: the engine core records its step times there (`worker.step_log`).
 
@@ -66,8 +67,9 @@ object has no attribute 'finalize_loading'"), so every start compiled it again, 
 41-50 s `vllm serve` start here; its older compile cache loads (30 s, decode steps and
 prefills as fast, measured 2026-11-27)."""
 FINISH_FIRST_ENV = "KVCLUSTER_FINISH_FIRST"
-"""Set (by `worker.engine` on CPU): an engine without a step budget still finishes a prompt
-before packing the next (`worker.step_budget.finish_first`; a budgeted one always does)."""
+"""1 (set by `worker.engine` on CPU unless set): an engine without a step budget still finishes
+a prompt before packing the next (`worker.step_budget.finish_first`; a budgeted one does unless
+this is 0, `make bench-burst`'s baseline)."""
 
 
 def register() -> None:
@@ -75,11 +77,13 @@ def register() -> None:
         _die_with_parent(int(os.environ[PARENT_ENV]))
     if os.environ.get(step_log.ENV):
         step_log.install(os.environ[step_log.ENV])
+    finish = os.environ.get(FINISH_FIRST_ENV, "")
     if step_budgeted():
         step_budget.install(int(os.environ[STEP_CONTEXT_ENV]), int(os.environ[STEP_TOKENS_ENV]),
-                            target_ms=float(os.environ.get(STEP_MS_ENV) or 0))
+                            target_ms=float(os.environ.get(STEP_MS_ENV) or 0),
+                            finish=finish != "0")
         step_budget.install_control()
-    elif os.environ.get(FINISH_FIRST_ENV):
+    elif finish == "1":
         step_budget.install_finish_first()
     _spin()
     if os.environ.get(CPU_SEEDS_ENV):
