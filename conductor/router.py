@@ -319,9 +319,12 @@ class Dispatch:
             cached = (r.cached_blocks * self.block_size if num_cached_tokens is None
                       else num_cached_tokens)
             uncached = self.num_prompt_tokens - cached
-            if self._timed(uncached, cached, service, self._solo):
+            # alone at dispatch: from then (a short prompt sent after it may ride along in its
+            # last step and finish a moment before it, which would leave it that moment)
+            seconds = now - self.started if self._solo else service
+            if self._timed(uncached, cached, seconds, self._solo):
                 self.router.prefill_fit.observe(uncached, cached,
-                                                service / self.prefill.load.prefill_speed,
+                                                seconds / self.prefill.load.prefill_speed,
                                                 exact=self._solo, now=now)
         else:  # the decode instance loaded the prefill's blocks
             self.router.index.predict(self.decode.instance_id, self.block_hashes, now)

@@ -348,6 +348,17 @@ async def test_a_prompt_computed_where_it_decodes_is_timed_for_the_prefill_model
         d.release()
     rows = router.prefill_fit._obs._rows
     assert len(rows) == 4 and rows[0][0][1] == 1024.0  # its uncached tokens, as reported
+    tokens = list(range(50_000, 52_048))  # alone at dispatch; a short one rides along after it
+    long = router.route("long", tokens, tuple(block_hashes(tokens, BS)), 4, BS)
+    short = router.route("short", tokens[:40], tuple(block_hashes(tokens[:40], BS)), 4, BS)
+    assert short.decode is long.decode
+    clock[0] += 1.5
+    short.first_token(num_cached_tokens=0)  # it finished first, a moment before
+    long.first_token(num_cached_tokens=0)
+    timed = registry.get("b0").load._timings[-1]
+    assert timed[:2] == (2048, 0) and timed[2] == pytest.approx(1.5)  # from its dispatch
+    for d in (long, short):
+        d.release()
     speed = registry.get("b0").load.prefill_speed
     assert speed > 1.0
     assert router.prefill_fit.model.predict(1024, 1024) * speed == pytest.approx(
