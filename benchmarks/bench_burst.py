@@ -111,6 +111,7 @@ def _plot(summary: dict, path: Path) -> None:
         hi = [s["by_position"][i][2] - m for m, i in zip(mean, pos, strict=True)]
         ax.bar([i + 1 + (k - 0.5) * 0.38 for i in pos], mean, 0.38, yerr=[lo, hi], capsize=3,
                label={"vllm": "vLLM's packing", "ours": "finish first"}[variant])
+    ax.set_xticks(range(1, 1 + max(len(s["by_position"]) for s in summary.values())))
     ax.set_xlabel("position in the burst")
     ax.set_ylabel("TTFT (s): mean, range")
     ax.set_title("bursts of cold prompts, make run's shape")
