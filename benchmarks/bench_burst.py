@@ -2,9 +2,10 @@
 engines), with vLLM's own step packing and with ours (`worker.step_budget.finish_first`: the
 step that finishes a prompt carries no other prompt's chunk), in one run, the two alternating.
 
-A burst is `--burst` prompts of `--tokens` random token ids (fresh each time: nothing is
-cached anywhere), `--gap` seconds apart, each streamed for 8 tokens; `--bursts` of them per
-cluster start, `--reps` starts per variant. For each request: its TTFT as the client saw it,
+A burst is `--burst` prompts of `--tokens` random ordinary tokens, sent as text (fresh each
+time: nothing is cached anywhere), `--gap` seconds apart, each streamed for 8 tokens by
+bench-e2e's client (`benchmarks.e2e.client`); `--bursts` of them per cluster start, `--reps`
+starts per variant. For each request: its TTFT as the client saw it,
 and the TTFT the conductor predicted when it routed it (its `routed` log line). Results:
 `--out`/results.json, burst.png (TTFT by position in the burst, each variant's mean with its
 range). Last line:
@@ -16,19 +17,17 @@ range). Last line:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
-import httpx
-
-from benchmarks.e2e import calibration, systems
-from benchmarks.e2e.__main__ import BENCH_MODEL, TBT_SLO_S, TTFT_SLO_S
+from benchmarks.e2e import calibration, client, systems, workloads
+from benchmarks.e2e.__main__ import BENCH_MODEL, TBT_SLO_S, TTFT_SLO_S, _warm_up
 from benchmarks.machine import describe
 from cluster.signals import stop_on_signals
 from worker.dtype import resolve as resolve_dtype
@@ -38,41 +37,25 @@ VARIANTS = {"vllm": "0", "ours": "1"}
 """Each variant's `KVCLUSTER_FINISH_FIRST`, inherited by the cluster's engines."""
 
 
-def _ttft(url: str, model: str, prompt: list[int], out: list[float]) -> None:
-    """Stream one request; append its seconds to the first token (nothing on failure)."""
-    t0 = time.perf_counter()
-    with httpx.stream("POST", f"{url}/v1/completions", timeout=300, json={
-            "model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0,
-            "stream": True}) as r:
-        for line in r.iter_lines():
-            if not out and line.startswith("data:") and '"text"' in line:
-                out.append(time.perf_counter() - t0)
-
-
 def _rep(variant: str, engines: systems.Engines, run_dir: Path, a: argparse.Namespace,
-         rng: random.Random) -> dict:
+         rng: random.Random, tok, vocab: workloads.Vocab) -> dict:  # type: ignore[no-untyped-def]
     os.environ[FINISH_FIRST_ENV] = VARIANTS[variant]
     run = systems.start("kv_centric", engines, run_dir, TTFT_SLO_S, TBT_SLO_S)
     bursts: list[list[float | None]] = []
     try:
-        httpx.post(f"{run.url}/v1/completions", timeout=300, json={
-            "model": run.model, "prompt": "warm up", "max_tokens": 2}).raise_for_status()
+        _warm_up(run)
         for b in range(a.bursts):
-            outs: list[list[float]] = []
-            threads = []
-            for _ in range(a.burst):
-                prompt = [rng.randrange(100, 1000) for _ in range(a.tokens)]
-                outs.append([])
-                threads.append(threading.Thread(target=_ttft,
-                                                args=(run.url, run.model, prompt, outs[-1])))
-                threads[-1].start()
-                time.sleep(a.gap)
-            for t in threads:
-                t.join()
-            bursts.append([o[0] if o else None for o in outs])
+            reqs = [workloads.BenchRequest(
+                request_id=f"{variant}-{b}-{k}", max_tokens=8, arrival_s=k * a.gap, group=None,
+                prompt_token_ids=tuple(rng.randrange(vocab.lo, vocab.hi)
+                                       for _ in range(a.tokens))) for k in range(a.burst)]
+            prompts = {r.request_id: tok.decode(list(r.prompt_token_ids)) for r in reqs}
+            recs, _ = asyncio.run(client.run(run.url, run.model, variant, "burst", reqs, prompts))
+            bursts.append([r.first_token_s - r.sent_s if r.first_token_s is not None else None
+                           for r in recs])
             print(f"{variant} burst {b + 1}/{a.bursts}: TTFT "
-                  + " ".join(f"{x:.2f}" if x else "failed" for x in bursts[-1]) + " s",
-                  flush=True)
+                  + " ".join(f"{x:.2f}" if x else "failed" for x in bursts[-1]) + " s"
+                  + "".join(f"; {r.error}" for r in recs if r.error), flush=True)
             time.sleep(a.pause)
     finally:
         run.stop()
@@ -133,10 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="docs/burst")
     a = p.parse_args(argv)
     stop_on_signals()
+    from transformers import AutoTokenizer
+
     from tinymodel.builder import ensure_model
 
     print(f"machine: {describe()}", flush=True)
     model = str(ensure_model(BENCH_MODEL))
+    tok = AutoTokenizer.from_pretrained(model)
+    vocab = workloads.Vocab(300, len(tok) - 8)  # bench-e2e's ordinary tokens
     engines = systems.Engines(model=model, prefill=2, decode=2, pool_shm=True,
                               dtype=resolve_dtype(model, "auto"))
     rng = random.Random(7)
@@ -145,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         for variant in VARIANTS:  # alternating, so that drift hits both alike
             run_dir = Path(a.run_dir) / f"{variant}-{rep}"
             print(f"{variant} rep {rep + 1}/{a.reps}: starting", flush=True)
-            reps.append(_rep(variant, engines, run_dir, a, rng))
+            reps.append(_rep(variant, engines, run_dir, a, rng, tok, vocab))
     summary = {v: _summary(reps, v) for v in VARIANTS}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
