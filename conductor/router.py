@@ -236,6 +236,8 @@ class Dispatch:
     _prefill_open: bool = True
     _decode_open: bool = True
     _solo: bool = False
+    _beside: bool = False
+    """Streams of the prefill instance's own were decoding at dispatch (`LoadState.speed`)."""
     _first_token_at: float = 0.0
     _last_token_at: float = 0.0
     _tokens: int = 0
@@ -251,6 +253,7 @@ class Dispatch:
         n = self.num_prompt_tokens
         p, d = self.prefill.load, self.decode.load
         self._solo = p.prefills_in_flight() == 0
+        self._beside = p.running() > 0
         p.add_prefill(self.request_id, n, r.uncached_tokens, r.prefill_s, now)
         finish = now + r.predicted_ttft_s + self.max_tokens * r.predicted_tbt_s
         d.add_decode(self.request_id, n, finish)
@@ -299,7 +302,8 @@ class Dispatch:
         if self._timed(uncached, num_cached_tokens, seconds, solo):
             # the instance's speed takes what sets it apart, the model learns the rest
             self.router.prefill_fit.observe(uncached, num_cached_tokens,
-                                            seconds / p.prefill_speed, exact=solo, now=now)
+                                            seconds / p.speed(self._beside), exact=solo,
+                                            now=now)
 
     def first_token(self, num_cached_tokens: int | None = None) -> None:
         """The first token is out. A prompt the decode instance computed itself (`num_cached_
@@ -324,7 +328,7 @@ class Dispatch:
             seconds = now - self.started if self._solo else service
             if self._timed(uncached, cached, seconds, self._solo):
                 self.router.prefill_fit.observe(uncached, cached,
-                                                seconds / self.prefill.load.prefill_speed,
+                                                seconds / self.prefill.load.speed(self._beside),
                                                 exact=self._solo, now=now)
         else:  # the decode instance loaded the prefill's blocks
             self.router.index.predict(self.decode.instance_id, self.block_hashes, now)
@@ -342,12 +346,13 @@ class Dispatch:
             self.router.warm.add(iid)
             return False
         predicted = self.router.prefill_fit.model.predict(uncached, cached)
+        load = self.prefill.load
         if uncached <= 0 or (not exact and not plausible(
-                seconds, predicted * self.prefill.load.prefill_speed)):
+                seconds, predicted * load.speed(self._beside))):
             return False
         if exact and uncached >= SPEED_MIN_TOKENS:
-            self.prefill.load.observe_prefill(uncached, cached, seconds,
-                                              self.router.prefill_fit.model)
+            load.observe_prefill(uncached, cached, seconds, self.router.prefill_fit.model,
+                                 beside=self._beside)
         return True
 
     def tokens(self, token_ids: list[int], record: bool = True) -> None:

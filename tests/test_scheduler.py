@@ -282,6 +282,43 @@ def test_an_instance_speed_follows_its_timings_over_the_model():
     assert load.view().prefill_speed == pytest.approx(2.0)
 
 
+def test_prefills_beside_streams_of_its_own_make_a_speed_apart():
+    """A prompt beside streams decoding on the same engine shares its steps with them (and a
+    step budget cuts it into more steps): timed apart from prompts alone, its speed is its
+    own; until one is timed, the speed alone stands for it."""
+    model = PrefillTimeModel(base_s=0.0, per_token_s=1e-3, per_attn_s=0.0)
+    load = LoadState("b0", "both", BS)
+    load.observe_prefill(1000, 0, 1.0, model)
+    assert load.view().speed(True) == load.view().speed(False) == pytest.approx(1.0)
+    load.observe_prefill(1000, 0, 1.6, model, beside=True)
+    load.observe_prefill(1000, 0, 1.4, model, beside=True)
+    view = load.view()
+    assert (view.speed(False), view.speed(True)) == (pytest.approx(1.0), pytest.approx(1.5))
+    assert (load.speed(False), load.speed(True)) == (pytest.approx(1.0), pytest.approx(1.5))
+    load.respeed(PrefillTimeModel(base_s=0.0, per_token_s=2e-3, per_attn_s=0.0))
+    assert (load.speed(False), load.speed(True)) == (pytest.approx(0.5), pytest.approx(0.75))
+
+
+def test_a_prompt_beside_streams_is_priced_at_that_speed():
+    """Two engines, one decoding a stream: a prompt there is predicted at its speed beside
+    streams (1.8x here), not alone (1x): with the stream's wait it costs 3.6x, and the prompt
+    goes to the other engine, idle and slower alone (2.5x; at 1x it would have cost 2x there);
+    the idle one's speed beside streams does not count."""
+    model = PrefillTimeModel()
+    busy = dataclasses.replace(inst("b0", "both", cores="1", threads=1), running=1,
+                               prefill_speed=1.0, prefill_speed_beside=1.8)
+    idle = dataclasses.replace(inst("b1", "both", cores="0", threads=1), prefill_speed=2.5,
+                               prefill_speed_beside=5.0)
+    route = kv_centric(snap(busy, disaggregate="never"), request(2048))
+    assert route.prefill_s == pytest.approx(1.8 * model.predict(2048, 0))
+    route = kv_centric(snap(busy, idle, disaggregate="never"), request(2048, max_tokens=1))
+    assert pair(route) == ("b1", "b1")
+    assert route.prefill_s == pytest.approx(2.5 * model.predict(2048, 0))
+    alone = dataclasses.replace(busy, running=0)
+    assert pair(kv_centric(snap(alone, idle, disaggregate="never"),
+                           request(2048, max_tokens=1))) == ("b0", "b0")
+
+
 def test_engines_sharing_cores_gain_nothing_from_disaggregating():
     """p0 and d0 each run two threads on the same two cores: a prefill on p0 slows d0's
     streams as much as one on d0 would, so the transfer is pure cost: computed locally."""

@@ -4,6 +4,8 @@ relay that re-keys vLLM's KV events into the conductor's block hashes."""
 
 from __future__ import annotations
 
+from collections import deque
+
 import asyncio
 import json
 from pathlib import Path
@@ -355,7 +357,7 @@ async def test_a_prompt_computed_where_it_decodes_is_timed_for_the_prefill_model
     clock[0] += 1.5
     short.first_token(num_cached_tokens=0)  # it finished first, a moment before
     long.first_token(num_cached_tokens=0)
-    timed = registry.get("b0").load._timings[-1]
+    timed = registry.get("b0").load._timings[False][-1]
     assert timed[:2] == (2048, 0) and timed[2] == pytest.approx(1.5)  # from its dispatch
     for d in (long, short):
         d.release()
@@ -363,4 +365,38 @@ async def test_a_prompt_computed_where_it_decodes_is_timed_for_the_prefill_model
     assert speed > 1.0
     assert router.prefill_fit.model.predict(1024, 1024) * speed == pytest.approx(
         4 * prior.predict(1024, 1024), rel=0.25)
+    await registry.close()
+
+
+async def test_a_prompt_beside_streams_of_its_own_is_timed_for_that_speed(model_dir, monkeypatch):
+    """A prompt dispatched while a stream decodes on its engine shares that engine's steps:
+    its timing makes the instance's speed beside streams, not its speed alone, and the shared
+    model learns it divided by that speed (bench-e2e run 12: a cold prompt on the side engine
+    beside one stream of its own took ~1.5x one alone, priced as alone)."""
+    registry = Registry()
+    router = Router(ConductorConfig(model=model_dir, etcd="127.0.0.1:1", kv_events=False),
+                    registry)
+    registry.sync({"b0": _member("b0", "both", 1)})
+    router.warm.add("b0")
+    clock = [100.0]
+    monkeypatch.setattr("conductor.router.time",
+                        type("Clock", (), {"monotonic": staticmethod(lambda: clock[0])}))
+    load = registry.get("b0").load
+    stream = router.route("s", list(range(64)), tuple(block_hashes(list(range(64)), BS)), 99, BS)
+    clock[0] += 0.05
+    stream.first_token(num_cached_tokens=0)  # too short to time a speed: it streams on
+    assert load._timings[True] == load._timings[False] == deque()
+    tokens = list(range(5000, 7048))
+    d = router.route("long", tokens, tuple(block_hashes(tokens, BS)), 4, BS)
+    predicted = router.prefill_fit.model.predict(2048, 0)
+    clock[0] += 3 * predicted
+    d.first_token(num_cached_tokens=0)
+    d.release()
+    assert not load._timings[False] and load._timings[True][-1][2] == pytest.approx(
+        3 * predicted)
+    router.snapshot(clock[0], BS)  # speeds against the model as refitted
+    assert load.speed(True) * router.prefill_fit.model.predict(2048, 0) == pytest.approx(
+        3 * predicted, rel=0.05)
+    assert load.speed(False) == 1.0  # alone: unchanged
+    stream.release()
     await registry.close()

@@ -62,8 +62,12 @@ class LoadState:
         """Where it computes (`snapshot.contention`), from its registration."""
         self.prefill_speed = 1.0
         """Its prefill times over the fitted model's predictions, averaged (`observe_prefill`)."""
-        self._timings: deque[tuple[int, int, float]] = deque(maxlen=SPEED_WINDOW)
-        """Its last prefills that count towards its speed: (uncached, cached, seconds)."""
+        self.prefill_speed_beside: float | None = None
+        """The same for prefills beside streams of its own (None: none timed yet)."""
+        self._timings: dict[bool, deque[tuple[int, int, float]]] = {
+            beside: deque(maxlen=SPEED_WINDOW) for beside in (False, True)}
+        """Its last prefills that count towards its speeds, without and with streams of its
+        own beside them: (uncached, cached, seconds)."""
         self.on_change: Callable[[str], None] | None = None
         """Told the instance id whenever the load changes (the registry's snapshot upkeep)."""
 
@@ -110,27 +114,33 @@ class LoadState:
         previous completion): the service time of the request completing now."""
         return now - self._head_started
 
+    def speed(self, beside: bool) -> float:
+        """Its prefill speed with (`beside`) or without streams of its own decoding."""
+        if beside and self.prefill_speed_beside is not None:
+            return self.prefill_speed_beside
+        return self.prefill_speed
+
     def observe_prefill(self, uncached: int, cached: int, seconds: float,
-                        model: PrefillTimeModel) -> None:
-        """A prefill of this instance computed `uncached` tokens after `cached` in `seconds`:
-        its speed becomes its last `SPEED_WINDOW` timings' mean ratio to `model`."""
+                        model: PrefillTimeModel, beside: bool = False) -> None:
+        """A prefill of this instance computed `uncached` tokens after `cached` in `seconds`,
+        with streams of its own decoding (`beside`) or not: that speed becomes its last
+        `SPEED_WINDOW` such timings' mean ratio to `model`."""
         if seconds <= 0 or uncached <= 0:
             return
-        self._timings.append((uncached, cached, seconds))
+        self._timings[beside].append((uncached, cached, seconds))
         self.respeed(model)
 
     def respeed(self, model: PrefillTimeModel) -> None:
-        """Its speed against `model` (the fitted model changed): the mean ratio of its timings
-        to the model's predictions, clamped to `SPEED_RANGE`. Kept as a running mean of ratios
-        taken when they came, a speed outlived the model it was measured against: as the model
-        learned, the speeds learned against its prior multiplied it again (an engine whose
+        """Its speeds against `model` (the fitted model changed): the mean ratio of their
+        timings to the model's predictions, clamped to `SPEED_RANGE`. Kept as a running mean of
+        ratios taken when they came, a speed outlived the model it was measured against: as the
+        model learned, the speeds learned against its prior multiplied it again (an engine whose
         start-up probe had run slow was priced 1.2-2.1 times what it took)."""
-        if not self._timings:
-            return
-        ratios = [seconds / max(model.predict(u, c), 1e-9) for u, c, seconds in self._timings]
-        speed = min(max(sum(ratios) / len(ratios), SPEED_RANGE[0]), SPEED_RANGE[1])
-        if speed != self.prefill_speed:
-            self.prefill_speed = speed
+        alone = _mean_ratio(self._timings[False], model)
+        beside = _mean_ratio(self._timings[True], model)
+        alone = self.prefill_speed if alone is None else alone
+        if (alone, beside) != (self.prefill_speed, self.prefill_speed_beside):
+            self.prefill_speed, self.prefill_speed_beside = alone, beside
             self._changed()
 
     def prefills_in_flight(self) -> int:
@@ -203,5 +213,15 @@ class LoadState:
             side=self.side,
             gpus=self.gpus,
             prefill_speed=self.prefill_speed,
+            prefill_speed_beside=self.prefill_speed_beside,
         )
         return v
+
+
+def _mean_ratio(timings: deque[tuple[int, int, float]], model: PrefillTimeModel
+                ) -> float | None:
+    """The timings' mean ratio to `model`'s predictions, clamped to `SPEED_RANGE`."""
+    if not timings:
+        return None
+    ratios = [seconds / max(model.predict(u, c), 1e-9) for u, c, seconds in timings]
+    return min(max(sum(ratios) / len(ratios), SPEED_RANGE[0]), SPEED_RANGE[1])

@@ -53,6 +53,16 @@ class InstanceLoad:
     prefill_speed: float = 1.0
     """Its prefills take this many times the fitted model's prediction (measured per
     instance, `LoadState.observe_prefill`): engines on fewer or busier cores are slower."""
+    prefill_speed_beside: float | None = None
+    """The same while streams of its own decode beside the prompt (None: as `prefill_speed`):
+    its steps then carry their tokens too, and a step budget cuts the prompt into more steps
+    (bench-e2e run 12: ~1.25x the time alone on the main engine, ~1.55x on the side one)."""
+
+    def speed(self, beside: bool) -> float:
+        """Its prefill speed with (`beside`) or without streams of its own decoding."""
+        if beside and self.prefill_speed_beside is not None:
+            return self.prefill_speed_beside
+        return self.prefill_speed
 
     def can_prefill(self) -> bool:
         return self.role in ("prefill", "both")

@@ -16,13 +16,14 @@ measured transfer time per block (`transfer_s_per_block`):
       TTFT = queue(p) + pull(p) + prefill(uncached on p) + save(computed blocks)
              + pull(blocks d lacks) + TBT(d)
 
-prefill(u on x) is the fitted model's time times x's measured speed (`InstanceLoad.
-prefill_speed`: its start-up probe, then its own timings), so that an engine on fewer or busier
-cores is priced as it runs. A side instance (one on the serving processes' cores,
-`InstanceLoad.side`) prefills at `SchedulerParams.side_cost` times the cost (1 by default),
-and a local route there adds one TBT per output token (not to its predicted TTFT; a
-disaggregated route that only decodes there pays no such term): it gets the prompts that the
-other engines' queues would hold longer, and short answers, not the lone long streams.
+prefill(u on x) is the fitted model's time times x's measured speed (`InstanceLoad.speed`:
+its start-up probe, then its own timings, apart for prompts beside streams of its own), so
+that an engine on fewer or busier cores, or decoding, is priced as it runs. A side instance
+(one on the serving processes' cores, `InstanceLoad.side`) prefills at `SchedulerParams.
+side_cost` times the cost (1 by default), and a local route there adds one TBT per output token
+(not to its predicted TTFT; a disaggregated route that only decodes there pays no such term):
+it gets the prompts that the other engines' queues would hold longer, and short answers, not
+the lone long streams.
 
 A prefill also delays the streams decoding where it computes: d's, for a local route; p's own
 (an instance in the `both` role) and, in proportion to `snapshot.contention(p, d)`, d's when
@@ -106,7 +107,7 @@ def _disaggregated(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
     # prefill (the longest hit anywhere) is past the tie band of the best so far
     best_hit = min(req.match.longest, loadable)
     floor = pm.predict(n - best_hit * bs, best_hit * bs) * min(
-        p.prefill_speed for p in prefills)
+        min(p.speed(False), p.speed(True)) for p in prefills)
     rows = []
     band = float("inf")
     costs: dict[int, float] = {}
@@ -115,8 +116,9 @@ def _disaggregated(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
         queue = p.busy_until - now
         hit = min(local.get(p.instance_id, 0) if local else 0, loadable)
         decoding = p.running if p.can_decode() else 0
+        speed = p.speed(decoding > 0)
         if queue <= 0.0:
-            like = (hit, bool(decoding), p.prefill_speed)
+            like = (hit, bool(decoding), speed)
             if like in idle_hits:
                 continue
             idle_hits.add(like)
@@ -127,7 +129,7 @@ def _disaggregated(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
         cost = costs.get(cached)
         if cost is None:
             cost = costs[cached] = pm.predict(n - cached * bs, cached * bs)
-        cost *= p.prefill_speed
+        cost *= speed
         ttft = queue + cost + (tfix + (pool - hit) * tpb if pool > hit else 0.0)
         rank = ttft + decoding * cost  # its own streams wait for this prefill
         if p.side:
@@ -206,7 +208,7 @@ def _local(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
         cost = costs.get(cached)
         if cost is None:
             cost = costs[cached] = prm.prefill.predict(n - cached * bs, cached * bs)
-        cost *= d.prefill_speed
+        cost *= d.speed(running > 0)
         pull = prm.transfer_s_fixed + (pool - hit) * prm.transfer_s_per_block \
             if pool > hit else 0.0
         ttft = max(d.busy_until - now, 0.0) + pull + cost
