@@ -326,12 +326,8 @@ async def test_a_workers_probe_sets_its_speed_and_its_timings_refine_it(model_di
     assert router.prefill_fit.model.predict(2048, 0) == pytest.approx(model.predict(2048, 0))
 
 
-async def test_a_prompt_computed_where_it_decodes_is_timed_for_the_prefill_model(
-        model_dir, monkeypatch):
-    """make run's shape computes most prompts on the instance that decodes them: untimed, the
-    shared model stayed at its prior (bench-e2e run 11: 0.26 s predicted for a cold 2,250-token
-    prompt that takes ~1.1 s). Timed from dispatch to first token when alone, with the
-    engine's own count of what it did not compute; the instance's speed takes its share."""
+def _one_engine(model_dir: str, monkeypatch) -> tuple[Router, Registry, list[float]]:
+    """A router over one warm `both` instance, b0, on a clock the test moves (`clock[0]`)."""
     registry = Registry()
     router = Router(ConductorConfig(model=model_dir, etcd="127.0.0.1:1", kv_events=False),
                     registry)
@@ -340,6 +336,16 @@ async def test_a_prompt_computed_where_it_decodes_is_timed_for_the_prefill_model
     clock = [100.0]
     monkeypatch.setattr("conductor.router.time",
                         type("Clock", (), {"monotonic": staticmethod(lambda: clock[0])}))
+    return router, registry, clock
+
+
+async def test_a_prompt_computed_where_it_decodes_is_timed_for_the_prefill_model(
+        model_dir, monkeypatch):
+    """make run's shape computes most prompts on the instance that decodes them: untimed, the
+    shared model stayed at its prior (bench-e2e run 11: 0.26 s predicted for a cold 2,250-token
+    prompt that takes ~1.1 s). Timed from dispatch to first token when alone, with the
+    engine's own count of what it did not compute; the instance's speed takes its share."""
+    router, registry, clock = _one_engine(model_dir, monkeypatch)
     prior = router.prefill_fit.model
     for n in range(4):
         tokens = list(range(n * 5000, n * 5000 + 2048))
@@ -373,14 +379,7 @@ async def test_a_prompt_beside_streams_of_its_own_is_timed_for_that_speed(model_
     its timing makes the instance's speed beside streams, not its speed alone, and the shared
     model learns it divided by that speed (bench-e2e run 12: a cold prompt on the side engine
     beside one stream of its own took ~1.5x one alone, priced as alone)."""
-    registry = Registry()
-    router = Router(ConductorConfig(model=model_dir, etcd="127.0.0.1:1", kv_events=False),
-                    registry)
-    registry.sync({"b0": _member("b0", "both", 1)})
-    router.warm.add("b0")
-    clock = [100.0]
-    monkeypatch.setattr("conductor.router.time",
-                        type("Clock", (), {"monotonic": staticmethod(lambda: clock[0])}))
+    router, registry, clock = _one_engine(model_dir, monkeypatch)
     load = registry.get("b0").load
     stream = router.route("s", list(range(64)), tuple(block_hashes(list(range(64)), BS)), 99, BS)
     clock[0] += 0.05
