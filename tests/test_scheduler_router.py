@@ -4,10 +4,9 @@ relay that re-keys vLLM's KV events into the conductor's block hashes."""
 
 from __future__ import annotations
 
-from collections import deque
-
 import asyncio
 import json
+from collections import deque
 from pathlib import Path
 
 import pytest
