@@ -23,7 +23,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -35,11 +34,10 @@ import httpx
 from benchmarks import conductor_log
 from benchmarks.machine import StallWatch, cpu_probe_s, describe
 from cluster.ports import free_port
-from cluster.process import ManagedProcess
+from cluster.process import IPC_ENV, ManagedProcess, vllm_scratch
 from cluster.signals import stop_on_signals
 from worker import step_log
 from worker.dtype import resolve as resolve_dtype
-from worker.engine import IPC_ENV
 from worker.vllm_plugin import CPU_VLLM_ENV
 
 EXTRA: list[str] = []
@@ -116,9 +114,9 @@ def start_plain(model: str, kv_bytes: int, block_size: int, max_model_len: int,
     if os.environ.get("VLLM_CPU_OMP_THREADS_BIND_X"):
         env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ["VLLM_CPU_OMP_THREADS_BIND_X"]
     env = {**CPU_VLLM_ENV, **env}  # as our engines start
-    env[IPC_ENV] = tempfile.mkdtemp(prefix="vllm-ipc-")  # vLLM leaves its sockets behind
+    env.pop(IPC_ENV, None)  # a directory of its own for what vLLM leaves behind
     proc = ManagedProcess("vllm-serve", argv, run_dir / "vllm-serve.log", env=env,
-                          scratch=env[IPC_ENV]).start()
+                          scratch=vllm_scratch(env)).start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:

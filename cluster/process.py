@@ -25,11 +25,24 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from pathlib import Path
+
+IPC_ENV = "VLLM_RPC_BASE_PATH"
+"""Where vLLM makes its processes' ZeroMQ socket files: the temporary directory, and it never
+removes them (6,277 in /tmp after a few days of tests here). A child that runs vLLM gets a
+directory of its own there as its `scratch` (`vllm_scratch`); short, since a socket's path
+may not exceed 107 bytes."""
+
+DIST_ENV = "KVCLUSTER_DIST_DIR"
+"""Where the engine core of one of our vLLM engines makes torch.distributed's rendezvous file
+(`worker.vllm_plugin`); vLLM's own place, the temporary directory, keeps every one of an engine
+killed or stopped by a signal (4 a cluster of 4 engines here). Set beside `IPC_ENV`, to the
+same directory."""
 
 _SETPRIV = shutil.which("setpriv")
 _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
@@ -65,6 +78,16 @@ def _popen(cpus: frozenset[int] | None, argv: list[str], **kw) -> subprocess.Pop
 def _die_with_parent(argv: list[str]) -> list[str]:
     """argv wrapped so that the child gets SIGKILL when its parent dies (where setpriv exists)."""
     return [_SETPRIV, "--pdeathsig", "KILL", "--", *argv] if _SETPRIV else argv
+
+
+def vllm_scratch(env: dict[str, str]) -> str | None:
+    """A new socket directory for a child that runs vLLM, set as its `IPC_ENV` and `DIST_ENV`
+    in `env`: the child's `scratch`, removed once it is reaped, however it ended. None (and
+    `env` as it was) where `env` names a directory already."""
+    if env.get(IPC_ENV):
+        return None
+    env[IPC_ENV] = env[DIST_ENV] = tempfile.mkdtemp(prefix="kvcluster-ipc-")
+    return env[IPC_ENV]
 
 
 class ManagedProcess:

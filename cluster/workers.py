@@ -12,7 +12,7 @@ from pathlib import Path
 from cluster import loopback
 from cluster.engine_spec import EngineSpec
 from cluster.ports import free_port
-from cluster.process import ManagedProcess
+from cluster.process import ManagedProcess, vllm_scratch
 from cluster.shape import (
     BACKGROUND_ENV,
     SPIN_ENV,
@@ -134,6 +134,7 @@ class WorkerSpec(EngineSpec):
         env.update(dict(self.env))
         # its worker binds loopback (WorkerConfig.host), and so does its engine's Mooncake
         env = loopback.env("127.0.0.1", env)
+        # the launcher removes its engine's sockets, also when it was killed
         proc = ManagedProcess(instance_id, argv, Path(self.run_dir) / f"{instance_id}.log",
-                              env=env)
+                              env=env, scratch=vllm_scratch(env))
         return proc.start(), port

@@ -10,11 +10,21 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 
 
 def main() -> None:
     job = json.loads(sys.stdin.read())
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    # vLLM's socket files (`cluster.process.IPC_ENV`) and its engine core's torch.distributed
+    # store file (in the temporary directory; an eager engine compiles nothing there): ours
+    with tempfile.TemporaryDirectory(prefix="kvcluster-ref-") as scratch:
+        os.environ["VLLM_RPC_BASE_PATH"] = os.environ["TMPDIR"] = scratch
+        tempfile.tempdir = scratch
+        _run(job)
+
+
+def _run(job: dict) -> None:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=job["model"], block_size=job["block_size"], dtype=job["dtype"],
@@ -39,6 +49,7 @@ def main() -> None:
                 for t, lp in zip(comp.token_ids, comp.logprobs, strict=True)]
         result.append(item)
     print("RESULT " + json.dumps(result), flush=True)
+    llm.llm_engine.engine_core.shutdown()
 
 
 if __name__ == "__main__":

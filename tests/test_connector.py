@@ -12,18 +12,22 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import psutil
 import pytest
 import torch
 
+from cluster.process import IPC_ENV
 from store.block_hash import block_hashes, block_key
 from store.kv_transfer import BlockLayout, KVTransfer
 from store.master import StoreMaster
@@ -234,11 +238,14 @@ class _Engine:
                                        "metadata_url": master.metadata_url,
                                        "namespace": namespace, "segment_bytes": 32 * MiB,
                                        "op_timeout_s": 3.0})
+        self.sockets = tempfile.mkdtemp(prefix="kvcluster-ipc-")
+        """vLLM's socket files (`IPC_ENV`), which it leaves: removed by `close`."""
         before = {c.pid for c in psutil.Process().children(recursive=True)}
-        self.llm = LLM(model=model_dir, block_size=BLOCK, dtype="float32", max_model_len=1024,
-                       enforce_eager=True, kv_cache_memory_bytes=64 * MiB,
-                       enable_prefix_caching=True, kv_transfer_config=ktc,
-                       disable_log_stats=True)
+        with mock.patch.dict(os.environ, {IPC_ENV: self.sockets}):
+            self.llm = LLM(model=model_dir, block_size=BLOCK, dtype="float32",
+                           max_model_len=1024, enforce_eager=True,
+                           kv_cache_memory_bytes=64 * MiB, enable_prefix_caching=True,
+                           kv_transfer_config=ktc, disable_log_stats=True)
         self.procs = [c for c in psutil.Process().children(recursive=True)
                       if c.pid not in before]
         """The engine's processes (EngineCore, Worker): killed if shutdown leaves them."""
@@ -251,6 +258,7 @@ class _Engine:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
         psutil.wait_procs(self.procs, timeout=10)
+        shutil.rmtree(self.sockets, ignore_errors=True)
 
     def run(self, prompt: list[int], max_tokens: int = 8) -> dict:
         from vllm import SamplingParams

@@ -1,11 +1,16 @@
-"""Each engine's vLLM socket files in a directory of its own, gone with it (`worker.engine`)."""
+"""Each engine's vLLM socket files in a directory of its own, gone with it (`worker.engine`),
+or with its worker process (`cluster.process.vllm_scratch`)."""
 
 from __future__ import annotations
 
 import os
+import tempfile
 
+from cluster.process import DIST_ENV, IPC_ENV
+from cluster.workers import WorkerSpec
 from worker.config import WorkerConfig
-from worker.engine import IPC_ENV, Engine
+from worker.engine import Engine
+from worker.kv_events import KvEventRelay
 
 
 def _engine(model: str) -> Engine:
@@ -16,13 +21,15 @@ def _engine(model: str) -> Engine:
 
 def test_the_directory_and_its_variable_go_with_the_engine(model_dir, monkeypatch):
     monkeypatch.delenv(IPC_ENV, raising=False)
+    monkeypatch.delenv(DIST_ENV, raising=False)
     first = _engine(model_dir)
     first._claim_ipc_dir()
     taken = os.environ[IPC_ENV]
-    assert os.path.isdir(taken)
+    assert os.path.isdir(taken) and os.environ[DIST_ENV] == taken
     first.shutdown()
     assert not os.path.exists(taken)
-    assert IPC_ENV not in os.environ  # not a dead path handed to the next engine
+    # not a dead path handed to the next engine
+    assert IPC_ENV not in os.environ and DIST_ENV not in os.environ
     second = _engine(model_dir)
     second._claim_ipc_dir()
     assert os.path.isdir(os.environ[IPC_ENV]) and os.environ[IPC_ENV] != taken
@@ -35,3 +42,36 @@ def test_a_directory_the_operator_set_is_left_alone(model_dir, monkeypatch, tmp_
     engine._claim_ipc_dir()
     engine.shutdown()
     assert os.environ[IPC_ENV] == str(tmp_path) and tmp_path.is_dir()
+
+
+def test_a_worker_started_here_gets_a_directory_gone_once_it_is_reaped(monkeypatch, tmp_path):
+    """Also when the worker is killed and so never shuts its engine down (`vllm_scratch`)."""
+    monkeypatch.delenv(IPC_ENV, raising=False)
+    monkeypatch.delenv(DIST_ENV, raising=False)
+    spec = WorkerSpec(model="m", etcd="e", pool_master="p", pool_metadata="u",
+                      run_dir=str(tmp_path), python="true")
+    proc, _ = spec.start("both", "both-0")
+    sockets = proc.env[IPC_ENV]
+    assert proc.scratch == sockets == proc.env[DIST_ENV] and os.path.isdir(sockets)
+    proc.kill()
+    assert not os.path.exists(sockets)
+
+
+def test_the_kv_event_socket_is_beside_the_engines(monkeypatch, tmp_path):
+    monkeypatch.setenv(IPC_ENV, str(tmp_path))
+    relay = KvEventRelay(16)
+    assert relay.endpoint.startswith(f"ipc://{tmp_path}/")
+    relay.stop()
+
+
+def test_the_engine_cores_rendezvous_file_goes_with_the_sockets(monkeypatch, tmp_path):
+    from vllm.utils import network_utils
+
+    from worker.vllm_plugin import _dist_store_in_scratch
+
+    _dist_store_in_scratch()
+    monkeypatch.setenv(DIST_ENV, str(tmp_path))
+    assert network_utils.get_file_store_init_method().startswith(f"file://{tmp_path}/vllm_dist_")
+    monkeypatch.delenv(DIST_ENV)
+    assert network_utils.get_file_store_init_method().startswith(
+        f"file://{tempfile.gettempdir()}/vllm_dist_")  # vLLM's own, unless asked

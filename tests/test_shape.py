@@ -1,5 +1,7 @@
 """The embedded cluster's shape for a machine (`cluster.shape.choose`)."""
 
+import shutil
+
 import pytest
 
 from cluster.shape import (
@@ -90,8 +92,10 @@ def started(monkeypatch) -> list[tuple[list[str], dict[str, str]]]:
     recorded: list[tuple[list[str], dict[str, str]]] = []
 
     class Recorder:
-        def __init__(self, name, argv, log, env):
+        def __init__(self, name, argv, log, env, scratch=None):
             recorded.append((argv, env))
+            if scratch:  # nothing runs to use it
+                shutil.rmtree(scratch)
 
         def start(self):
             return self

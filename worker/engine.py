@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 
 from cluster.instance import cpu_list
+from cluster.process import DIST_ENV, IPC_ENV
 from store.namespace import kv_namespace
 from worker.config import WorkerConfig
 from worker.dtype import resolve as resolve_dtype
@@ -31,12 +32,6 @@ log = structlog.get_logger(__name__)
 
 PROBE_TOKEN_RANGE = (100, 1000)
 """Token ids a speed probe draws from: inside any real vocabulary."""
-
-IPC_ENV = "VLLM_RPC_BASE_PATH"
-"""Where vLLM makes its processes' ZeroMQ socket files: the temporary directory, and it never
-removes them (6,277 in /tmp after a few days of tests here). Unset, each engine gets a
-directory of its own there, removed when it shuts down; short, since a socket's path may not
-exceed 107 bytes."""
 
 FORCED_FIRST_TOKEN_PROCESSOR = "worker.forced_token:ForcedFirstToken"
 """Loaded by every engine: a decode makes its first token the prefill's (`worker.forced_token`)."""
@@ -139,10 +134,11 @@ class Engine:
         log.info("engine_started", model=c.model, role=c.role, namespace=self.namespace)
 
     def _claim_ipc_dir(self) -> None:
-        """A socket directory of the engine's own (`IPC_ENV`), unless one is set."""
+        """A socket directory of the engine's own (`IPC_ENV`), unless one is set (by the
+        launcher that started this worker: `cluster.process.vllm_scratch`)."""
         if not os.environ.get(IPC_ENV):
             self._ipc_dir = tempfile.mkdtemp(prefix="kvcluster-ipc-")
-            os.environ[IPC_ENV] = self._ipc_dir
+            os.environ[IPC_ENV] = os.environ[DIST_ENV] = self._ipc_dir
 
     @property
     def llm(self):
@@ -260,8 +256,9 @@ class Engine:
             self.relay = None
         if self._ipc_dir:  # and the variable pointing at it, for an engine started next
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
-            if os.environ.get(IPC_ENV) == self._ipc_dir:
-                del os.environ[IPC_ENV]
+            for name in (IPC_ENV, DIST_ENV):
+                if os.environ.get(name) == self._ipc_dir:
+                    del os.environ[name]
             self._ipc_dir = ""
 
 

@@ -8,7 +8,7 @@ exactly the set of blocks the engine caches (bounded by its KV size). Each subsc
 conductor's `KvEvents` stream) first gets that whole set as a reset, then the changes; one
 that falls behind is dropped and reconnects to a fresh reset.
 
-The engine's publisher binds a Unix socket (`ipc://` in the temporary directory) that the
+The engine's publisher binds a Unix socket (`ipc://` in its socket directory, `IPC_ENV`) that the
 relay connects to: nothing listens on a network port, and no port can collide with the
 ones the launcher hands out.
 """
@@ -26,6 +26,7 @@ from typing import Any
 
 import structlog
 
+from cluster.process import IPC_ENV
 from protos import worker_pb2
 from store.block_hash import extend_hashes, to_wire
 
@@ -44,8 +45,10 @@ class KvEventRelay:
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
         self._sub.setsockopt(zmq.RCVHWM, 100_000)
-        self._path = os.path.join(tempfile.gettempdir(),
+        self._path = os.path.join(os.environ.get(IPC_ENV) or tempfile.gettempdir(),
                                   f"kvcluster-kv-events-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        """Beside the engine's own sockets: removed with them, also when this process is
+        killed (`cluster.process.vllm_scratch`)."""
         self.endpoint = f"ipc://{self._path}"
         """Where the engine's publisher binds (`KVEventsConfig.endpoint`)."""
         self._sub.connect(self.endpoint)

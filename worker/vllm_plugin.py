@@ -34,6 +34,10 @@ at `h` costing twice one at none); while none runs, the engine's whole budget
 `KVCLUSTER_ENGINE_PARENT=<pid>` (set by `worker.engine` before it starts the engine): the
 engine's processes die with the process that started them (`_die_with_parent`).
 
+`KVCLUSTER_DIST_DIR` (set with `VLLM_RPC_BASE_PATH` by `worker.engine` and the launcher): the
+engine core's torch.distributed rendezvous file goes there, with the engine's sockets, instead
+of the temporary directory, where vLLM leaves it (`_dist_store_in_scratch`).
+
 `KVCLUSTER_ENGINE_BACKGROUND` (set by the launcher for `cluster.shape.Engine.background`): the
 engine's processes (engine core, model worker), not the worker's front end that starts them,
 run at `SCHED_IDLE`, so that the serving processes on the same core preempt them at once; the
@@ -45,7 +49,10 @@ reads of this engine's segment, the saver, the loader) at normal priority
 from __future__ import annotations
 
 import os
+import sys
+import uuid
 
+from cluster.process import DIST_ENV
 from cluster.shape import (
     BACKGROUND_ENV,
     SPIN_ENV,
@@ -73,6 +80,7 @@ this is 0, `make bench-burst`'s baseline)."""
 
 
 def register() -> None:
+    _dist_store_in_scratch()
     if os.environ.get(PARENT_ENV):
         _die_with_parent(int(os.environ[PARENT_ENV]))
     if os.environ.get(step_log.ENV):
@@ -90,6 +98,28 @@ def register() -> None:
         _chunkable_cpu_seeds()
     if os.environ.get(BACKGROUND_ENV):
         _background()
+
+
+def _dist_store_in_scratch() -> None:
+    """vLLM's `file://` rendezvous for its single-process executors, in `DIST_ENV` where it is
+    set when the engine core starts. Patched whether set now or not: plugins load once, and the
+    engine core, forked, inherits this process's."""
+    from vllm.utils import network_utils
+
+    vllms = network_utils.get_file_store_init_method
+    if getattr(vllms, "kvcluster", False):
+        return
+
+    def in_scratch() -> str:
+        scratch = os.environ.get(DIST_ENV)
+        return f"file://{scratch}/vllm_dist_{uuid.uuid4().hex}" if scratch else vllms()
+
+    in_scratch.kvcluster = True  # type: ignore[attr-defined]
+    network_utils.get_file_store_init_method = in_scratch
+    for name in ("vllm.v1.executor.uniproc_executor", "vllm.v1.executor.multiproc_executor"):
+        module = sys.modules.get(name)  # imported before: it holds vLLM's by name
+        if module is not None and hasattr(module, "get_file_store_init_method"):
+            module.get_file_store_init_method = in_scratch
 
 
 def step_budgeted() -> bool:

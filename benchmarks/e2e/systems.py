@@ -27,7 +27,6 @@ import http.client
 import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,12 +39,11 @@ from benchmarks import conductor_log
 from cluster import shape
 from cluster.engine_spec import EngineSpec
 from cluster.ports import free_port
-from cluster.process import ManagedProcess
+from cluster.process import IPC_ENV, ManagedProcess, vllm_scratch
 from embedded import ClusterSpec, EmbeddedCluster
 from protos import worker_pb2
 from store.master import StoreClientService, StoreMaster
 from store.namespace import kv_namespace
-from worker.engine import IPC_ENV
 from worker.vllm_plugin import CPU_VLLM_ENV
 
 
@@ -237,10 +235,11 @@ def _vllm_serve(name: str, e: Engines, run_dir: Path, kv_cache_bytes: int,
             "--enable-prefix-caching"]
     if connector is not None:
         argv += ["--kv-transfer-config", json.dumps(connector)]
-    ipc = tempfile.mkdtemp(prefix="vllm-ipc-")  # vLLM leaves its sockets behind
-    env = {**_engine_env(), **e.env(threads), IPC_ENV: ipc}
+    env = {**_engine_env(), **e.env(threads)}
+    env.pop(IPC_ENV, None)  # a directory of its own for what vLLM leaves behind
     proc = ManagedProcess(name, argv, run_dir / f"{name}.log", env=env,
-                          cwd=str(Path(__file__).resolve().parents[2]), scratch=ipc).start()
+                          cwd=str(Path(__file__).resolve().parents[2]),
+                          scratch=vllm_scratch(env)).start()
     return proc, f"http://127.0.0.1:{port}"
 
 

@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{time.monotonic() - steps.t0:6.1f}s] deploy/stop.sh on every host "
                       f"({time.monotonic() - t:.1f}s)", flush=True)
             left = net.teardown() + _kill_children()
+            if checks is not None:
+                checks.cluster.remove_socket_dirs()
             for x in left:
                 print(f"  left behind: {x}")
         else:

@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,10 @@ class Cluster:
         self.run_dir = run_dir
         self.kv_cache_bytes = kv_cache_bytes
         self.url = f"http://{a.addr}:{PORT}"
+        self.socket_dirs: list[str] = []
+        """Each worker's vLLM socket directory (`cluster.process.IPC_ENV`, `DIST_ENV`), set here
+        so that the files of one that stop.sh or the teardown kills go too
+        (`remove_socket_dirs`)."""
 
     def state_dir(self, host: Host) -> Path:
         return self.run_dir / f"host-{host.name.lower()}"
@@ -97,12 +102,21 @@ class Cluster:
     def start_worker(self, w: Worker) -> None:
         if w.host != self.a:
             self.copy_secrets(w.host)
+        own = tempfile.mkdtemp(prefix="kvcluster-ipc-")
+        self.socket_dirs.append(own)
         # the reference engine's dtype: logprobs compared exactly (the default, "auto", is
         # bfloat16 here, whose logprobs move with the batch: up to 0.027 apart)
         self.script(w.host, f"{w.role}.sh", KVCLUSTER_INSTANCE_ID=w.instance_id,
+                    VLLM_RPC_BASE_PATH=own, KVCLUSTER_DIST_DIR=own,
                     KVCLUSTER_KV_CACHE_BYTES=str(self.kv_cache_bytes),
                     KVCLUSTER_WORKER_ENGINE_CPUS=w.cpus, VLLM_CPU_OMP_THREADS_BIND=w.cpus,
                     OMP_NUM_THREADS="1", KVCLUSTER_WORKER_DTYPE=DTYPE)
+
+    def remove_socket_dirs(self) -> None:
+        """Once every worker is gone."""
+        for d in self.socket_dirs:
+            shutil.rmtree(d, ignore_errors=True)
+        self.socket_dirs.clear()
 
     def ctl(self, *args: str, timeout: float = 60.0) -> str:
         """`conductorctl` on node A, as the README's deploy section runs it."""
