@@ -20,6 +20,7 @@ from conductor.scheduler.policies.round_robin import round_robin
 from conductor.scheduler.policy import DECODES_ALONE, DEFAULT_POLICY, POLICIES
 from conductor.scheduler.prefill_model import PrefillTimeFitter, PrefillTimeModel
 from conductor.scheduler.snapshot import (
+    BESIDE_PRIOR,
     ClusterSnapshot,
     InstanceLoad,
     PrefixMatch,
@@ -285,11 +286,13 @@ def test_an_instance_speed_follows_its_timings_over_the_model():
 def test_prefills_beside_streams_of_its_own_make_a_speed_apart():
     """A prompt beside streams decoding on the same engine shares its steps with them (and a
     step budget cuts it into more steps): timed apart from prompts alone, its speed is its
-    own; until one is timed, the speed alone stands for it."""
+    own; until one is timed, the speed alone times `BESIDE_PRIOR` stands for it."""
     model = PrefillTimeModel(base_s=0.0, per_token_s=1e-3, per_attn_s=0.0)
     load = LoadState("b0", "both", BS)
-    load.observe_prefill(1000, 0, 1.0, model)
-    assert load.view().speed(True) == load.view().speed(False) == pytest.approx(1.0)
+    load.observe_prefill(1000, 0, 0.5, model)
+    assert load.view().speed(False) == load.speed(False) == pytest.approx(0.5)
+    assert load.view().speed(True) == load.speed(True) == pytest.approx(0.5 * BESIDE_PRIOR)
+    load.observe_prefill(1000, 0, 1.5, model)
     load.observe_prefill(1000, 0, 1.6, model, beside=True)
     load.observe_prefill(1000, 0, 1.4, model, beside=True)
     view = load.view()
@@ -321,12 +324,16 @@ def test_a_prompt_beside_streams_is_priced_at_that_speed():
 
 def test_engines_sharing_cores_gain_nothing_from_disaggregating():
     """p0 and d0 each run two threads on the same two cores: a prefill on p0 slows d0's
-    streams as much as one on d0 would, so the transfer is pure cost: computed locally."""
-    shared = snap(inst("p0", cores="0-1", threads=2),
-                  inst("d0", "decode", running=8, cores="0-1", threads=2),
-                  disaggregate="auto")
+    streams as much as one on d0 would, so the transfer is pure cost: computed locally (d0
+    timed as fast beside its streams as alone; at `BESIDE_PRIOR`, p0 computes it faster)."""
+    d0 = dataclasses.replace(inst("d0", "decode", running=8, cores="0-1", threads=2),
+                             prefill_speed_beside=1.0)
+    shared = snap(inst("p0", cores="0-1", threads=2), d0, disaggregate="auto")
     assert pair(kv_centric(shared, request(2048))) == ("d0", "d0")
     assert contention(shared.instances[0], shared.instances[1]) == 1.0
+    untimed = snap(inst("p0", cores="0-1", threads=2), dataclasses.replace(
+        d0, prefill_speed_beside=None), disaggregate="auto")
+    assert pair(kv_centric(untimed, request(2048))) == ("p0", "d0")
     apart = snap(inst("p0", cores="0-1", threads=2),
                  inst("d0", "decode", running=8, cores="2-3", threads=2), disaggregate="auto")
     assert contention(apart.instances[0], apart.instances[1]) == 0.0

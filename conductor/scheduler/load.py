@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from conductor.scheduler.prefill_model import PrefillTimeModel
-from conductor.scheduler.snapshot import InstanceLoad
+from conductor.scheduler.snapshot import InstanceLoad, beside_speed
 
 SPEED_WINDOW = 8
 SPEED_RANGE = (0.2, 10.0)
@@ -116,9 +116,8 @@ class LoadState:
 
     def speed(self, beside: bool) -> float:
         """Its prefill speed with (`beside`) or without streams of its own decoding."""
-        if beside and self.prefill_speed_beside is not None:
-            return self.prefill_speed_beside
-        return self.prefill_speed
+        return beside_speed(self.prefill_speed, self.prefill_speed_beside) if beside \
+            else self.prefill_speed
 
     def observe_prefill(self, uncached: int, cached: int, seconds: float,
                         model: PrefillTimeModel, beside: bool = False) -> None:

@@ -14,6 +14,19 @@ from dataclasses import dataclass, field
 from conductor.scheduler.decode_model import TbtModel
 from conductor.scheduler.prefill_model import PrefillTimeModel
 
+BESIDE_PRIOR = 1.4
+"""A prompt's time beside streams decoding on the same engine over its time alone, until the
+engine has timed one (`InstanceLoad.prefill_speed_beside`): its steps carry the streams'
+tokens too, and a step budget cuts the prompt into more steps. bench-e2e run 12, cold prompts
+on one CPU core: 1.22-1.31x on an engine of its own, 1.47-1.64x on the side engine (which has
+half the step budget); those timed at dispatch with the engine's learned speed alone did not
+learn it before the first burst of cold prompts (a short run's first, 1.48x)."""
+
+
+def beside_speed(alone: float, beside: float | None) -> float:
+    """The speed beside streams: as timed, else `BESIDE_PRIOR` times the speed alone."""
+    return alone * BESIDE_PRIOR if beside is None else beside
+
 
 @dataclass(frozen=True)
 class InstanceLoad:
@@ -54,15 +67,13 @@ class InstanceLoad:
     """Its prefills take this many times the fitted model's prediction (measured per
     instance, `LoadState.observe_prefill`): engines on fewer or busier cores are slower."""
     prefill_speed_beside: float | None = None
-    """The same while streams of its own decode beside the prompt (None: as `prefill_speed`):
-    its steps then carry their tokens too, and a step budget cuts the prompt into more steps
-    (bench-e2e run 12: ~1.25x the time alone on the main engine, ~1.55x on the side one)."""
+    """The same while streams of its own decode beside the prompt (None: not timed yet,
+    `BESIDE_PRIOR` times `prefill_speed`)."""
 
     def speed(self, beside: bool) -> float:
         """Its prefill speed with (`beside`) or without streams of its own decoding."""
-        if beside and self.prefill_speed_beside is not None:
-            return self.prefill_speed_beside
-        return self.prefill_speed
+        return beside_speed(self.prefill_speed, self.prefill_speed_beside) if beside \
+            else self.prefill_speed
 
     def can_prefill(self) -> bool:
         return self.role in ("prefill", "both")
