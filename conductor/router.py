@@ -236,8 +236,9 @@ class Dispatch:
     _prefill_open: bool = True
     _decode_open: bool = True
     _solo: bool = False
-    _beside: bool = False
-    """Streams of the prefill instance's own were decoding at dispatch (`LoadState.speed`)."""
+    _beside: bool | None = False
+    """Streams of the prefill instance's own were predicted to decode through its predicted
+    prefill (True), not at all (False), or part of it (None: not timed, `LoadState.speed`)."""
     _first_token_at: float = 0.0
     _last_token_at: float = 0.0
     _tokens: int = 0
@@ -253,7 +254,9 @@ class Dispatch:
         n = self.num_prompt_tokens
         p, d = self.prefill.load, self.decode.load
         self._solo = p.prefills_in_flight() == 0
-        self._beside = p.running() > 0
+        until = p.streams_until()
+        self._beside = False if until <= now else (
+            True if until >= now + r.predicted_ttft_s else None)
         p.add_prefill(self.request_id, n, r.uncached_tokens, r.prefill_s, now)
         finish = now + r.predicted_ttft_s + self.max_tokens * r.predicted_tbt_s
         d.add_decode(self.request_id, n, finish)
@@ -344,6 +347,8 @@ class Dispatch:
         iid = self.prefill.instance_id
         if iid not in self.router.warm:
             self.router.warm.add(iid)
+            return False
+        if self._beside is None:  # streams beside part of it: neither speed's timing
             return False
         predicted = self.router.prefill_fit.model.predict(uncached, cached)
         load = self.prefill.load

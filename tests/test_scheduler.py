@@ -309,7 +309,8 @@ def test_a_prompt_beside_streams_is_priced_at_that_speed():
     the idle one's speed beside streams does not count."""
     model = PrefillTimeModel()
     busy = dataclasses.replace(inst("b0", "both", cores="1", threads=1), running=1,
-                               prefill_speed=1.0, prefill_speed_beside=1.8)
+                               finishes=(NOW + 60.0,), prefill_speed=1.0,
+                               prefill_speed_beside=1.8)
     idle = dataclasses.replace(inst("b1", "both", cores="0", threads=1), prefill_speed=2.5,
                                prefill_speed_beside=5.0)
     route = kv_centric(snap(busy, disaggregate="never"), request(2048))
@@ -317,9 +318,24 @@ def test_a_prompt_beside_streams_is_priced_at_that_speed():
     route = kv_centric(snap(busy, idle, disaggregate="never"), request(2048, max_tokens=1))
     assert pair(route) == ("b1", "b1")
     assert route.prefill_s == pytest.approx(2.5 * model.predict(2048, 0))
-    alone = dataclasses.replace(busy, running=0)
+    alone = dataclasses.replace(busy, running=0, finishes=())
     assert pair(kv_centric(snap(alone, idle, disaggregate="never"),
                            request(2048, max_tokens=1))) == ("b0", "b0")
+
+
+def test_a_prefill_is_priced_beside_streams_only_while_they_are_predicted_to_run():
+    """Streams predicted to end a third of the way into a prefill (at its speed beside them,
+    2x) slow that third only: a 3 s prefill alone takes 1 s at half speed and the 2 s left
+    at full speed, 3.5 s in all, not 6; ended before it starts, they slow none of it."""
+    b0 = dataclasses.replace(inst("b0", "both"), running=2, prefill_speed=1.0,
+                             prefill_speed_beside=2.0, finishes=(NOW + 0.5, NOW + 2.0))
+    assert b0.prefill_seconds(3.0, NOW) == pytest.approx(3.0 + 2.0 * (1 - 1 / 2))
+    assert b0.prefill_seconds(3.0, NOW + 2.0) == pytest.approx(3.0)
+    assert b0.prefill_seconds(0.5, NOW) == pytest.approx(1.0)  # beside them all along
+    assert dataclasses.replace(b0, finishes=()).prefill_seconds(3.0, NOW) == 3.0
+    queued = dataclasses.replace(b0, busy_until=NOW + 2.0)  # they end while it waits
+    route = kv_centric(snap(queued, disaggregate="never"), request(2048))
+    assert route.prefill_s == pytest.approx(PrefillTimeModel().predict(2048, 0))
 
 
 def test_engines_sharing_cores_gain_nothing_from_disaggregating():
@@ -327,7 +343,7 @@ def test_engines_sharing_cores_gain_nothing_from_disaggregating():
     streams as much as one on d0 would, so the transfer is pure cost: computed locally (d0
     timed as fast beside its streams as alone; at `BESIDE_PRIOR`, p0 computes it faster)."""
     d0 = dataclasses.replace(inst("d0", "decode", running=8, cores="0-1", threads=2),
-                             prefill_speed_beside=1.0)
+                             finishes=(NOW + 60.0,) * 8, prefill_speed_beside=1.0)
     shared = snap(inst("p0", cores="0-1", threads=2), d0, disaggregate="auto")
     assert pair(kv_centric(shared, request(2048))) == ("d0", "d0")
     assert contention(shared.instances[0], shared.instances[1]) == 1.0

@@ -183,6 +183,10 @@ class LoadState:
     def running(self) -> int:
         return len(self._decodes)
 
+    def streams_until(self) -> float:
+        """When the last of its decodes is predicted to finish (0: none)."""
+        return self._finishes[-1] if self._finishes else 0.0
+
     # ------------------------------------------------------------------ view
 
     def in_flight(self) -> int:

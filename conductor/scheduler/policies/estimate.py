@@ -23,10 +23,10 @@ def prefill_cost(snap: ClusterSnapshot, req: RouteRequest, inst: InstanceLoad
     pool = min(req.match.pool, loadable)
     cached = max(local, pool)
     uncached = req.num_prompt_tokens - cached * b
-    beside = inst.running > 0 and inst.can_decode()
-    compute = p.prefill.predict(uncached, cached * b) * inst.speed(beside)
     transfer = p.transfer_s_fixed + (pool - local) * p.transfer_s_per_block if pool > local else 0.0
     queue = max(inst.busy_until - snap.now, 0.0)
+    compute = inst.prefill_seconds(p.prefill.predict(uncached, cached * b),
+                                   snap.now + queue + transfer)
     return cached, uncached, compute, queue + compute + transfer
 
 

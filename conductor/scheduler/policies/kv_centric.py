@@ -17,8 +17,9 @@ measured transfer time per block (`transfer_s_per_block`):
              + pull(blocks d lacks) + TBT(d)
 
 prefill(u on x) is the fitted model's time times x's measured speed (`InstanceLoad.speed`:
-its start-up probe, then its own timings, apart for prompts beside streams of its own), so
-that an engine on fewer or busier cores, or decoding, is priced as it runs. A side instance
+its start-up probe, then its own timings, apart for prompts beside streams of its own, for as
+long as those are predicted to run: `InstanceLoad.prefill_seconds`), so that an engine on
+fewer or busier cores, or decoding, is priced as it runs. A side instance
 (one on the serving processes' cores, `InstanceLoad.side`) prefills at `SchedulerParams.
 side_cost` times the cost (1 by default), and a local route there adds one TBT per output token
 (not to its predicted TTFT; a disaggregated route that only decodes there pays no such term):
@@ -111,14 +112,14 @@ def _disaggregated(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
     rows = []
     band = float("inf")
     costs: dict[int, float] = {}
-    idle_hits: set[tuple[int, bool, float]] = set()  # an idle one ties with an earlier like it
+    idle_hits: set[tuple] = set()  # an idle one ties with an earlier like it
     for p in snap.prefill_by_queue():
         queue = p.busy_until - now
         hit = min(local.get(p.instance_id, 0) if local else 0, loadable)
         decoding = p.running if p.can_decode() else 0
-        speed = p.speed(decoding > 0)
         if queue <= 0.0:
-            like = (hit, bool(decoding), speed)
+            like = (hit, decoding, p.prefill_speed, p.prefill_speed_beside,
+                    p.finishes[-1] if decoding and p.finishes else 0.0)
             if like in idle_hits:
                 continue
             idle_hits.add(like)
@@ -129,8 +130,9 @@ def _disaggregated(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
         cost = costs.get(cached)
         if cost is None:
             cost = costs[cached] = pm.predict(n - cached * bs, cached * bs)
-        cost *= speed
-        ttft = queue + cost + (tfix + (pool - hit) * tpb if pool > hit else 0.0)
+        pull_p = tfix + (pool - hit) * tpb if pool > hit else 0.0
+        cost = p.prefill_seconds(cost, now + queue + pull_p)
+        ttft = queue + cost + pull_p
         rank = ttft + decoding * cost  # its own streams wait for this prefill
         if p.side:
             rank *= prm.side_cost
@@ -208,10 +210,11 @@ def _local(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
         cost = costs.get(cached)
         if cost is None:
             cost = costs[cached] = prm.prefill.predict(n - cached * bs, cached * bs)
-        cost *= d.speed(running > 0)
         pull = prm.transfer_s_fixed + (pool - hit) * prm.transfer_s_per_block \
             if pool > hit else 0.0
-        ttft = max(d.busy_until - now, 0.0) + pull + cost
+        queue = max(d.busy_until - now, 0.0)
+        cost = d.prefill_seconds(cost, now + queue + pull)
+        ttft = queue + pull + cost
         total = ttft + max(running, 0) * cost
         if d.side:  # and its tokens come at about half speed: one TBT more each
             total = total * prm.side_cost + req.max_tokens * tbt
