@@ -315,6 +315,7 @@ class EmbeddedCluster:
         for iid, w in list(self.workers.items()):
             if w.process.alive():
                 continue
+            w.process.stop()  # reaped: what its group left running, and its socket directory
             if w.process.returncode == 0:
                 log.info("worker_retired", instance_id=iid)
                 del self.workers[iid]
