@@ -27,7 +27,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from pathlib import Path
@@ -80,7 +80,7 @@ def _die_with_parent(argv: list[str]) -> list[str]:
     return [_SETPRIV, "--pdeathsig", "KILL", "--", *argv] if _SETPRIV else argv
 
 
-def vllm_scratch(env: dict[str, str]) -> str | None:
+def vllm_scratch(env: MutableMapping[str, str]) -> str | None:
     """A new socket directory for a child that runs vLLM, set as its `IPC_ENV` and `DIST_ENV`
     in `env`: the child's `scratch`, removed once it is reaped, however it ended. None (and
     `env` as it was) where `env` names a directory already."""

@@ -6,7 +6,6 @@ import contextlib
 import os
 import random
 import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -16,7 +15,7 @@ from typing import Any
 import structlog
 
 from cluster.instance import cpu_list
-from cluster.process import DIST_ENV, IPC_ENV
+from cluster.process import DIST_ENV, IPC_ENV, vllm_scratch
 from store.namespace import kv_namespace
 from worker.config import WorkerConfig
 from worker.dtype import resolve as resolve_dtype
@@ -136,9 +135,7 @@ class Engine:
     def _claim_ipc_dir(self) -> None:
         """A socket directory of the engine's own (`IPC_ENV`), unless one is set (by the
         launcher that started this worker: `cluster.process.vllm_scratch`)."""
-        if not os.environ.get(IPC_ENV):
-            self._ipc_dir = tempfile.mkdtemp(prefix="kvcluster-ipc-")
-            os.environ[IPC_ENV] = os.environ[DIST_ENV] = self._ipc_dir
+        self._ipc_dir = vllm_scratch(os.environ) or ""
 
     @property
     def llm(self):
