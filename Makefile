@@ -97,6 +97,14 @@ E2E_ARGS ?=
 bench-e2e: install
 	$(PY) -m benchmarks.e2e $(E2E_ARGS)
 
+# Each arm's capacity: the shared-prefix workload at rising arrival rates, the highest rate at
+# which 90% of requests meet the SLOs (~35 min; results in docs/e2e/capacity/)
+CAPACITY_ARGS ?= --arms kv_centric,round_robin,vllm_router,vllm_router_dp,colocated \
+	--workloads shared_prefix --rates 1,2,3,4,5 --reps 3 --prewarm-n '' --out docs/e2e/capacity
+.PHONY: bench-capacity
+bench-capacity: install
+	$(PY) -m benchmarks.e2e $(CAPACITY_ARGS)
+
 # Bursts of cold long prompts through make run's shape, with vLLM's step packing and with ours
 # (a step that finishes a prompt carries no other's chunk), alternating; results in docs/burst/
 # (last line: summary). About 12 minutes. BURST_ARGS: e.g. --reps 1 --bursts 3.

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from benchmarks.e2e import calibration, client, systems, workloads
-from benchmarks.e2e.__main__ import BENCH_MODEL, TBT_SLO_S, TTFT_SLO_S, _warm_up
+from benchmarks.e2e.__main__ import BENCH_MODEL, TBT_SLO_S, TTFT_SLO_S
 from benchmarks.machine import describe
 from cluster.signals import stop_on_signals
 from worker.dtype import resolve as resolve_dtype
@@ -43,7 +43,7 @@ def _rep(variant: str, engines: systems.Engines, run_dir: Path, a: argparse.Name
     run = systems.start("kv_centric", engines, run_dir, TTFT_SLO_S, TBT_SLO_S)
     bursts: list[list[float | None]] = []
     try:
-        _warm_up(run)
+        run.warm_up()
         for b in range(a.bursts):
             reqs = [workloads.BenchRequest(
                 request_id=f"{variant}-{b}-{k}", max_tokens=8, arrival_s=k * a.gap, group=None,

@@ -29,7 +29,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from benchmarks import conductor_log
-from benchmarks.e2e import calibration, client, report, spread, systems, workloads
+from benchmarks.e2e import calibration, capacity, client, report, spread, systems, workloads
 from benchmarks.machine import cpu_probe_s, describe
 from cluster.signals import stop_on_signals
 from tinymodel.builder import ModelSpec, ensure_model
@@ -53,25 +53,26 @@ tokens) took 3-6 s on one engine thread with four engines sharing two cores, a l
 step ~12 ms."""
 
 
-def _workloads(args: argparse.Namespace, vocab: workloads.Vocab,
-               rep: int) -> list[workloads.Workload]:
+def _workloads(args: argparse.Namespace, vocab: workloads.Vocab, rep: int,
+               rate: float | None = None, step: int = 0) -> list[workloads.Workload]:
     """Fixed before any run, the same for every system (not tuned to a result); repetition
-    `rep` draws fresh prefixes (its own seeds)."""
+    `rep` draws fresh prefixes (its own seeds), and so does each `step` of a sweep of rates."""
     n = max(4, round(48 * args.scale))
-    seed = 1000 * rep
+    seed = 1000 * rep + 10 * step
+    rate = args.rate if rate is None else rate
     return [
         workloads.shared_prefix(seed=seed + 1, n_requests=n, n_groups=6, prefix_tokens=2048,
-                                suffix_tokens=64, max_tokens=32, rate_rps=args.rate,
+                                suffix_tokens=64, max_tokens=32, rate_rps=rate,
                                 vocab=vocab),
         # the trace's last lines, where its reuse is (about two thirds of their blocks)
         workloads.trace_derived(seed=seed + 2, trace_path=args.trace, n_requests=n,
-                                max_prompt_tokens=3072, max_tokens_cap=32, rate_rps=args.rate,
+                                max_prompt_tokens=3072, max_tokens_cap=32, rate_rps=rate,
                                 vocab=vocab, start=3993 - n, block_tokens=64),
         workloads.low_reuse(seed=seed + 3, n_requests=n, prompt_tokens=1024, max_tokens=32,
-                            rate_rps=args.rate, vocab=vocab),
+                            rate_rps=rate, vocab=vocab),
         workloads.multi_turn(seed=seed + 4, n_conversations=max(1, n // 4), turns=4,
                              doc_tokens=1024, question_tokens=64, max_tokens=32,
-                             rate_rps=args.rate, think_s=1.0, vocab=vocab),
+                             rate_rps=rate, think_s=1.0, vocab=vocab),
     ]
 
 
@@ -179,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="multiplies every workload's request count (1: 48 requests; 0.1 for a "
                    "smoke run)")
     p.add_argument("--rate", type=float, default=1.0, help="arrival rate, requests/s")
+    p.add_argument("--rates", default="",
+                   help="a sweep: every workload at each of these rates (e.g. 1,2,3,4), named "
+                   "<workload>@<rate>, and each arm's capacity (benchmarks/e2e/capacity.py) "
+                   "as the last line instead of the e2e summary")
     p.add_argument("--prefill", type=int, default=2)
     p.add_argument("--decode", type=int, default=2)
     p.add_argument("--dtype", choices=DTYPES, default="auto",
@@ -191,6 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / "docs" / "e2e"))
     p.add_argument("--run-dir", default="")
     args = p.parse_args(argv)
+    try:
+        rates = sorted({float(x) for x in args.rates.split(",")}) if args.rates else []
+    except ValueError:
+        p.error(f"--rates takes numbers separated by commas: {args.rates!r}")
+    if any(not r > 0 for r in rates):
+        p.error(f"--rates must be positive: {args.rates!r}")
     stop_on_signals()
     names = args.systems.split(",")
     unknown = set(names) - set(systems.SYSTEMS)
@@ -211,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     wanted = args.workloads.split(",")
     plan = [[w for w in _workloads(args, vocab, rep) if w.name in wanted]
             for rep in range(args.reps)]
+    if rates:
+        plan = [[workloads.renamed(w, capacity.rated(w.name, r), f"@{r:g}")
+                 for k, r in enumerate(rates) for w in _workloads(args, vocab, rep, r, k)
+                 if w.name in wanted] for rep in range(args.reps)]
     for w in plan[0]:
         print(f"workload {w.name}: {w.description}; reuse "
               f"{workloads.reuse_ratio(w, 32):.0%} of full blocks", flush=True)
@@ -244,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                        + (f"; shape: {shapes[name]}" if shapes[name] else ""))
             log_path = run.logs / "conductor.log" if run.logs is not None else None
             try:
-                _warm_up(run)
+                run.warm_up()
                 if run.direct is not None:  # on the idle system: what the hop itself adds
                     bar.set_description(f"{tag}: overhead")
                     o = _overhead_ms(run)
@@ -302,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
                       for (s, w), ps in predictions.items()},
         "records": [asdict(r) for r in records],
     }
+    if rates:
+        result["rates"] = rates
+        result["capacity"] = {w: {s: capacity.per_rep(runs, s, w) for s in names}
+                              for w in wanted}
     (out / "results.json").write_text(json.dumps(result, indent=1))
     table = spread.markdown_table(runs)
     (out / "table.md").write_text(table + "\n")
@@ -319,18 +338,17 @@ def main(argv: list[str] | None = None) -> int:
           f"beyond the spread (ranges that do not overlap); worst_vs_best on {worst_w}")
     if prewarm_rows:
         print(f"prewarm break-even N: {even if even is not None else 'none of ' + args.prewarm_n}")
+    if rates:
+        for w in wanted:
+            table = capacity.markdown_table(runs, w)
+            (out / f"capacity_{w}.md").write_text(table)
+            capacity.plot(runs, w, out / f"capacity_{w}.png")
+            print(table)
+        print("\n".join(capacity.summary_line(runs, w) for w in wanted), flush=True)
+        return 0
     print(spread.summary_line(runs, overhead_ms=median_ms(spread.OURS),
                               router_overhead_ms=median_ms("vllm_router")), flush=True)
     return 0
-
-
-def _warm_up(run: systems.Running) -> None:
-    """One short request, so that no system's first workload pays a cold path."""
-    import httpx
-
-    httpx.post(f"{run.url}/v1/completions", timeout=300, json={
-        "model": run.model, "prompt": "warm up", "max_tokens": 2, "temperature": 0,
-    }).raise_for_status()
 
 
 if __name__ == "__main__":

@@ -96,6 +96,12 @@ class Running:
     logs: Path | None = None
     extra: dict = field(default_factory=dict)
 
+    def warm_up(self) -> None:
+        """One short request, so that no workload sent first pays a cold path."""
+        httpx.post(f"{self.url}/v1/completions", timeout=300, json={
+            "model": self.model, "prompt": "warm up", "max_tokens": 2, "temperature": 0,
+        }).raise_for_status()
+
 
 def _wait_http(url: str, procs: list[ManagedProcess], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout

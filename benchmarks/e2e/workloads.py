@@ -20,7 +20,7 @@ offset from the start of the run, the first at 0.0. Token ids lie in `[vocab.lo,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -271,6 +271,17 @@ def _unique_rows(rng: np.random.Generator, n: int, width: int,
             seen.add(row)
             rows.append(row)
     return rows
+
+
+def renamed(workload: Workload, name: str, suffix: str) -> Workload:
+    """`workload` under another name, every request id (and follow-up link) with `suffix`, so
+    that runs of one workload at several rates can share a repetition's prompt table."""
+    def rid(r: str | None) -> str | None:
+        return None if r is None else r + suffix
+
+    return replace(workload, name=name, requests=tuple(
+        replace(r, request_id=rid(r.request_id), follows=rid(r.follows))
+        for r in workload.requests))
 
 
 def _poisson_arrivals(rng: np.random.Generator, n: int, rate_rps: float) -> list[float]:
