@@ -43,6 +43,7 @@ from pathlib import Path
 
 from benchmarks.kv_worker import BLOCK_SIZE, DTYPE, MiB, Shape, Worker
 from benchmarks.machine import cpu_model
+from cluster.process import vllm_scratch_here
 from cluster.signals import stop_on_signals
 
 GB = 1e9
@@ -260,18 +261,19 @@ def prefill_seconds_per_block(model: str, tokens: int = 1024) -> float:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model, block_size=BLOCK_SIZE, dtype=DTYPE, max_model_len=2048,
-              enforce_eager=True, kv_cache_memory_bytes=128 * MiB,
-              enable_prefix_caching=False, disable_log_stats=True)
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    times = []
-    for i in range(6):
-        prompt = [(7 * i + 13 * j) % 2000 + 3 for j in range(tokens)]
-        t0 = time.perf_counter()
-        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-        if i:
-            times.append(time.perf_counter() - t0)
-    llm.llm_engine.engine_core.shutdown()
+    with vllm_scratch_here():  # the engine's socket files go with it
+        llm = LLM(model=model, block_size=BLOCK_SIZE, dtype=DTYPE, max_model_len=2048,
+                  enforce_eager=True, kv_cache_memory_bytes=128 * MiB,
+                  enable_prefix_caching=False, disable_log_stats=True)
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        times = []
+        for i in range(6):
+            prompt = [(7 * i + 13 * j) % 2000 + 3 for j in range(tokens)]
+            t0 = time.perf_counter()
+            llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+            if i:
+                times.append(time.perf_counter() - t0)
+        llm.llm_engine.engine_core.shutdown()
     return statistics.median(times) / (tokens / BLOCK_SIZE)
 
 

@@ -90,6 +90,27 @@ def vllm_scratch(env: MutableMapping[str, str]) -> str | None:
     return env[IPC_ENV]
 
 
+@contextlib.contextmanager
+def vllm_scratch_here() -> Iterator[str]:
+    """`vllm_scratch` for engines this process starts itself (vLLM's `LLM`): the directory is
+    this process's `IPC_ENV` and `DIST_ENV` inside the block and removed after it, so shut the
+    engines down inside it."""
+    env: dict[str, str] = {}
+    path = vllm_scratch(env)
+    assert path is not None
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield path
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(path, ignore_errors=True)
+
+
 class ManagedProcess:
     """One supervised child: started in its own process group, logged to a file, stopped as a
     group."""

@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from cluster.process import vllm_scratch_here
 from conductor.scheduler import PrefillTimeModel, TbtModel, prefill_features
 from simulator.profile import PROFILES, LatencyProfile
 
@@ -31,13 +32,24 @@ def _timed(llm, prompts: list[list[int]], max_tokens: int) -> float:
     return time.perf_counter() - t
 
 
+KV_BYTES = 256 << 20
+
+
 def measure(model: str, block_size: int = 32) -> LatencyProfile:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from vllm import LLM
 
-    kv_bytes = 256 << 20
-    llm = LLM(model=model, block_size=block_size, dtype="float32", max_model_len=2048,
-              enforce_eager=True, kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=True)
+    with vllm_scratch_here():  # the engine's socket files go with it
+        llm = LLM(model=model, block_size=block_size, dtype="float32", max_model_len=2048,
+                  enforce_eager=True, kv_cache_memory_bytes=KV_BYTES,
+                  enable_prefix_caching=True)
+        try:
+            return _measure(llm, model, block_size)
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+
+
+def _measure(llm, model: str, block_size: int) -> LatencyProfile:
     rng = np.random.default_rng(0)
 
     def toks(n: int) -> list[int]:
@@ -76,8 +88,8 @@ def measure(model: str, block_size: int = 32) -> LatencyProfile:
         tbt=TbtModel(*map(float, dec)),
         transfer_s_per_block=per_token * block_size / 1e9,
         transfer_s_fixed=1e-3,
-        kv_capacity_tokens=kv_bytes // per_token,
-        local_cache_blocks=kv_bytes // (per_token * block_size),
+        kv_capacity_tokens=KV_BYTES // per_token,
+        local_cache_blocks=KV_BYTES // (per_token * block_size),
     )
 
 

@@ -15,7 +15,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 import uuid
@@ -27,7 +26,7 @@ import psutil
 import pytest
 import torch
 
-from cluster.process import IPC_ENV
+from cluster.process import vllm_scratch
 from store.block_hash import block_hashes, block_key
 from store.kv_transfer import BlockLayout, KVTransfer
 from store.master import StoreMaster
@@ -238,10 +237,12 @@ class _Engine:
                                        "metadata_url": master.metadata_url,
                                        "namespace": namespace, "segment_bytes": 32 * MiB,
                                        "op_timeout_s": 3.0})
-        self.sockets = tempfile.mkdtemp(prefix="kvcluster-ipc-")
-        """vLLM's socket files (`IPC_ENV`), which it leaves: removed by `close`."""
+        scratch: dict[str, str] = {}
+        self.sockets = vllm_scratch(scratch) or ""
+        """vLLM's socket files and its engine core's rendezvous file (`IPC_ENV`, `DIST_ENV`),
+        which it leaves (a killed engine all of them): removed by `close`."""
         before = {c.pid for c in psutil.Process().children(recursive=True)}
-        with mock.patch.dict(os.environ, {IPC_ENV: self.sockets}):
+        with mock.patch.dict(os.environ, scratch):
             self.llm = LLM(model=model_dir, block_size=BLOCK, dtype="float32",
                            max_model_len=1024, enforce_eager=True,
                            kv_cache_memory_bytes=64 * MiB, enable_prefix_caching=True,
@@ -424,6 +425,8 @@ def test_generated_blocks_outlive_their_decoder(producer, decoder, consumer, cli
     assert len(keys) == 8 and all(client.exists(keys))
     home = client.segment_of(keys[4])  # the producer's segment holds the prompt's last block
     assert home is not None and [client.segment_of(k) for k in keys[5:]] == [home] * 3
+    # its engine core's rendezvous file, which a killed engine leaves, is in its own directory
+    assert any(f.startswith("vllm_dist_") for f in os.listdir(decoder.sockets))
     for p in decoder.procs:  # its own segment dies with it
         p.kill()
     psutil.wait_procs(decoder.procs, timeout=10)

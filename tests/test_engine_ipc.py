@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import tempfile
 
-from cluster.process import DIST_ENV, IPC_ENV
+import pytest
+
+from cluster.process import DIST_ENV, IPC_ENV, vllm_scratch_here
 from cluster.workers import WorkerSpec
 from worker.config import WorkerConfig
 from worker.engine import Engine
@@ -75,3 +77,19 @@ def test_the_engine_cores_rendezvous_file_goes_with_the_sockets(monkeypatch, tmp
     monkeypatch.delenv(DIST_ENV)
     assert network_utils.get_file_store_init_method().startswith(
         f"file://{tempfile.gettempdir()}/vllm_dist_")  # vLLM's own, unless asked
+
+
+def test_engines_started_in_this_process_get_a_directory_for_the_block(monkeypatch):
+    """`vllm_scratch_here` (bench-kv's and the calibration's in-process engines): both
+    variables name one new directory inside the block, as they were after it, and the
+    directory is gone, also when the block raises."""
+    monkeypatch.setenv(IPC_ENV, "/somewhere/the/operator/chose")
+    monkeypatch.delenv(DIST_ENV, raising=False)
+    with vllm_scratch_here() as path:
+        assert os.path.isdir(path) and os.environ[IPC_ENV] == os.environ[DIST_ENV] == path
+        open(os.path.join(path, "vllm_dist_x"), "w").close()
+    assert not os.path.exists(path)
+    assert os.environ[IPC_ENV] == "/somewhere/the/operator/chose" and DIST_ENV not in os.environ
+    with pytest.raises(RuntimeError), vllm_scratch_here() as path:
+        raise RuntimeError("engine failed")
+    assert not os.path.exists(path) and DIST_ENV not in os.environ
