@@ -56,9 +56,10 @@ step ~12 ms."""
 def _workloads(args: argparse.Namespace, vocab: workloads.Vocab, rep: int,
                rate: float | None = None, step: int = 0) -> list[workloads.Workload]:
     """Fixed before any run, the same for every system (not tuned to a result); repetition
-    `rep` draws fresh prefixes (its own seeds), and so does each `step` of a sweep of rates."""
+    `rep` draws fresh prefixes (its own seeds), and so does each `step` of a sweep of rates
+    (seeds 100,000 apart: clear of every repetition's and the prewarm experiment's)."""
     n = max(4, round(48 * args.scale))
-    seed = 1000 * rep + 10 * step
+    seed = 100_000 * step + 1000 * rep
     rate = args.rate if rate is None else rate
     return [
         workloads.shared_prefix(seed=seed + 1, n_requests=n, n_groups=6, prefix_tokens=2048,
