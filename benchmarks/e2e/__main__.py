@@ -221,12 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     tok = AutoTokenizer.from_pretrained(model)
     vocab = workloads.Vocab(300, len(tok) - 8)
     wanted = args.workloads.split(",")
-    plan = [[w for w in _workloads(args, vocab, rep) if w.name in wanted]
-            for rep in range(args.reps)]
     if rates:
         plan = [[workloads.renamed(w, capacity.rated(w.name, r), f"@{r:g}")
                  for k, r in enumerate(rates) for w in _workloads(args, vocab, rep, r, k)
                  if w.name in wanted] for rep in range(args.reps)]
+    else:
+        plan = [[w for w in _workloads(args, vocab, rep) if w.name in wanted]
+                for rep in range(args.reps)]
     for w in plan[0]:
         print(f"workload {w.name}: {w.description}; reuse "
               f"{workloads.reuse_ratio(w, 32):.0%} of full blocks", flush=True)

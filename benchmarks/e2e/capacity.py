@@ -80,12 +80,11 @@ def _top(runs: Runs, workload: str) -> float:
     return rates[-1][0] if rates else math.nan
 
 
-
-
 def markdown_table(runs: Runs, workload: str) -> str:
     """One row per arm: SLO attainment and goodput at each rate (medians over the repetitions
     with [min-max]) and the capacity with each repetition's in brackets."""
     rates = _rates(runs, workload)
+    top = rates[-1][0] if rates else math.nan
     systems = axes(runs)[0]
     rows = ["| system | " + " | ".join(f"{r:g} req/s: attainment, goodput" for r, _ in rates)
             + " | capacity req/s |",
@@ -99,7 +98,7 @@ def markdown_table(runs: Runs, workload: str) -> str:
         reps = ", ".join(f"{c:g}" for c in per_rep(runs, sys_, workload))
         c = capacity(runs, sys_, workload)
         rows.append(f"| {sys_} | " + " | ".join(cells)
-                    + f" | {'>=' if c == _top(runs, workload) else ''}{c:g} [{reps}] |")
+                    + f" | {'>=' if c == top else ''}{c:g} [{reps}] |")
     return "\n".join(rows) + "\n"
 
 
