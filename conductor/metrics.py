@@ -201,11 +201,20 @@ class _ClusterCollector(Collector):
         queued = GaugeMetricFamily("kvcluster_instance_queued_prompt_tokens", "Prompt tokens "
                                    "of prefills dispatched to the instance and not finished "
                                    "(its queue depth).", labels=["instance", "role"])
+        slowdown = GaugeMetricFamily(
+            "kvcluster_instance_prefill_slowdown", "The instance's prefill times as the "
+            "conductor prices them: over the fitted model's, alone and beside streams of its "
+            "own; and contended, the factor on either while another engine on its host computes.",
+            labels=["instance", "role", "when"])
         for i in self._instances():
             in_flight.add_metric([i.instance_id, i.role], i.in_flight)
             queued.add_metric([i.instance_id, i.role], i.queued_prompt_tokens)
+            for when, value in (("alone", i.speed(False)), ("beside", i.speed(True)),
+                                ("contended", i.prefill_contended)):
+                slowdown.add_metric([i.instance_id, i.role, when], value)
         yield in_flight
         yield queued
+        yield slowdown
         ratio = GaugeMetricFamily("kvcluster_cache_hit_ratio", "Share of prompt tokens served "
                                   "from a cache since start, by source.", labels=["source"])
         total = self._totals["prompt"]

@@ -28,7 +28,7 @@ from conductor.protocol import parse_chat, parse_completion
 from conductor.response import ResponseSpec, collect, stream
 from conductor.sampling import ModelDefaults, sampling
 from conductor.scheduler.policy import least_loaded
-from conductor.scheduler.snapshot import ClusterSnapshot, InstanceLoad, RouteRequest
+from conductor.scheduler.snapshot import BESIDE_PRIOR, ClusterSnapshot, InstanceLoad, RouteRequest
 
 
 @pytest.mark.parametrize("body,param", [
@@ -207,3 +207,12 @@ def test_metrics_count_requests_tokens_and_cache_hits():
     assert "kvcluster_inter_token_latency_seconds_count 3.0" in text
     assert 'kvcluster_cache_hit_ratio{source="pool"} 0.32' in text
     assert 'kvcluster_cache_hit_ratio{source="local"} 0.32' in text
+
+
+def test_metrics_show_each_instances_prices():
+    load = InstanceLoad(instance_id="b0", role="both", in_flight=0, queued_prompt_tokens=0,
+                        block_size=32, prefill_speed=2.0, prefill_contended=1.5)
+    text = Metrics(lambda: [load]).exposition().decode()
+    for when, value in (("alone", 2.0), ("beside", 2.0 * BESIDE_PRIOR), ("contended", 1.5)):
+        assert (f'kvcluster_instance_prefill_slowdown{{instance="b0",role="both",when="{when}"}}'
+                f" {value}") in text

@@ -533,6 +533,8 @@ def test_metrics_cover_latency_tokens_and_load(client, local, model):
                  'kvcluster_requests_total{endpoint="completions",status="200"}',
                  'kvcluster_instance_in_flight{instance="decode-0",role="decode"}',
                  'kvcluster_instance_queued_prompt_tokens{instance="prefill-0",role="prefill"}',
+                 'kvcluster_instance_prefill_slowdown{instance="prefill-0",role="prefill",'
+                 'when="contended"}',
                  'kvcluster_cache_hit_ratio{source="pool"}',
                  "kvcluster_generation_tokens_total"):
         assert name in text, name
