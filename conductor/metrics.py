@@ -210,7 +210,7 @@ class _ClusterCollector(Collector):
             in_flight.add_metric([i.instance_id, i.role], i.in_flight)
             queued.add_metric([i.instance_id, i.role], i.queued_prompt_tokens)
             for when, value in (("alone", i.speed(False)), ("beside", i.speed(True)),
-                                ("contended", i.prefill_contended)):
+                                ("contended", i.contended())):
                 slowdown.add_metric([i.instance_id, i.role, when], value)
         yield in_flight
         yield queued

@@ -19,6 +19,7 @@ from conductor.scheduler.policies.kv_centric import kv_centric
 from conductor.scheduler.policies.round_robin import round_robin
 from conductor.scheduler.prefill_model import PrefillTimeModel
 from conductor.scheduler.snapshot import (
+    CONTENDED_PRIOR,
     ClusterSnapshot,
     InstanceLoad,
     RouteRequest,
@@ -81,6 +82,9 @@ def test_contended_timings_make_a_factor_apart_from_the_speeds():
     done in 2/3): 2; one contended for a fifth: neither."""
     load = LoadState("a", "both", BS)
     load.observe_prefill(1000, 0, 1.0, MODEL)
+    assert (load.prefill_contended, load.contended()) == (None, 1.0)
+    load.side = True
+    assert load.contended() == CONTENDED_PRIOR
     load.observe_prefill(1000, 0, 1.5, MODEL, overlap=1.5)
     assert (load.prefill_speed, load.prefill_contended) == (1.0, pytest.approx(1.5))
     assert load.view().prefill_contended == pytest.approx(1.5)
@@ -118,7 +122,12 @@ def test_a_queue_and_a_prompt_are_priced_slower_while_a_peer_computes():
     route = kv_centric(idle, req)
     assert route.prefill_id != "c" and route.predicted_ttft_s == pytest.approx(2.0)
     fixed = kv_centric(snap(a, dataclasses.replace(b, prefill_contended=1.0), c), req)
-    assert fixed.prefill_id == "b"  # untimed: not slowed
+    assert fixed.prefill_id == "b"  # timed not slowed
+    untimed = dataclasses.replace(b, prefill_contended=None)
+    assert kv_centric(snap(a, untimed, c), req).prefill_id == "b"  # the prior: 1
+    side = dataclasses.replace(untimed, side=True)  # the prior: CONTENDED_PRIOR
+    assert snap(a, side, c).prefill_timing(side, 2.0, 0.0, 0.0)[2] == pytest.approx(
+        stretched(NOW, 2.0, NOW + 1.0, CONTENDED_PRIOR))
     # the same prices in the policies that choose by other means
     other = round_robin(snap(a, b), RouteRequest(2000, (), seq=1))
     assert other.prefill_id == "b" and other.prefill_s == pytest.approx(2.0)
@@ -172,7 +181,7 @@ async def test_a_prompt_timed_beside_a_peers_compute_teaches_its_factor(model_di
     on_c.first_token(0)
     a, c = registry.get("a").load, registry.get("c").load
     assert (a.prefill_speed, a.prefill_contended) == (1.0, pytest.approx(1.5))
-    assert (c.prefill_speed, c.prefill_contended) == (pytest.approx(1.5), 1.0)
+    assert (c.prefill_speed, c.prefill_contended) == (pytest.approx(1.5), None)
     rows = list(router.prefill_fit._obs._rows)
     assert [row[1] for row in rows[-2:]] == [pytest.approx(work), pytest.approx(work)]
     model = router.prefill_fit.model

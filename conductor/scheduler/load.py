@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from conductor.scheduler.prefill_model import PrefillTimeModel
-from conductor.scheduler.snapshot import InstanceLoad, beside_speed
+from conductor.scheduler.snapshot import InstanceLoad, beside_speed, contended_factor
 
 SPEED_WINDOW = 8
 SPEED_RANGE = (0.2, 10.0)
@@ -75,9 +75,9 @@ class LoadState:
             beside: deque(maxlen=SPEED_WINDOW) for beside in (False, True)}
         """Its last prefills that count towards its speeds, without and with streams of its
         own beside them: (uncached, cached, seconds)."""
-        self.prefill_contended = 1.0
-        """Its prefills' slowing while another engine on its host computes one
-        (`InstanceLoad.prefill_contended`)."""
+        self.prefill_contended: float | None = None
+        """Its prefills' slowing while another engine on its host computes one, as timed
+        (`InstanceLoad.prefill_contended`; None: not yet)."""
         self._contended: deque[tuple[int, int, float, bool, float]] = deque(maxlen=SPEED_WINDOW)
         """Its last prefills that count towards it: (uncached, cached, seconds, beside, the
         seconds of them another engine on its host computed)."""
@@ -152,8 +152,12 @@ class LoadState:
 
     def uncontended(self, seconds: float, overlap: float) -> float:
         """A prefill's `seconds` as they would have run alone on its host, `overlap` of them
-        beside another engine's compute (at `prefill_contended`)."""
-        return seconds - overlap + overlap / self.prefill_contended
+        beside another engine's compute (at `contended`)."""
+        return seconds - overlap + overlap / self.contended()
+
+    def contended(self) -> float:
+        """Its prefills' slowing while another engine on its host computes one."""
+        return contended_factor(self.side, self.prefill_contended)
 
     def observe_prefill(self, uncached: int, cached: int, seconds: float,
                         model: PrefillTimeModel, beside: bool = False,
@@ -191,7 +195,7 @@ class LoadState:
             self._changed()
 
     def _contended_factor(self, model: PrefillTimeModel, alone: float,
-                          beside: float | None) -> float:
+                          beside: float | None) -> float | None:
         """The contended timings' mean slowing against the speeds: a prefill of `seconds`
         whose work alone would take `w`, `overlap` of them contended, ran at `k` with
         `w = overlap / k + seconds - overlap`; clamped to `CONTENDED_RANGE`."""

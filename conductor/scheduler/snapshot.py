@@ -23,6 +23,20 @@ half the step budget); those timed at dispatch with the engine's learned speed a
 learn it before the first burst of cold prompts (a short run's first, 1.48x)."""
 
 
+CONTENDED_PRIOR = 1.4
+"""A side instance's (`InstanceLoad.side`) prefill time while another engine on its host
+computes one over its time without, until it has timed such a prefill
+(`InstanceLoad.prefill_contended`); any other instance's is 1 until then. bench-e2e run 15 (two
+cores, the side engine on the serving processes' core): the side engine's lone cold prompts
+took 1.37-1.44x their price beside the other engine's, 0.88-1.09x alone; the dedicated
+engine's 0.84-1.14x either way. Its first burst comes before any such timing."""
+
+
+def contended_factor(side: bool, timed: float | None) -> float:
+    """The contended factor: as timed, else the prior (`CONTENDED_PRIOR` for a side one)."""
+    return timed if timed is not None else (CONTENDED_PRIOR if side else 1.0)
+
+
 def beside_speed(alone: float, beside: float | None) -> float:
     """The speed beside streams: as timed, else `BESIDE_PRIOR` times the speed alone."""
     return alone * BESIDE_PRIOR if beside is None else beside
@@ -80,14 +94,19 @@ class InstanceLoad:
     prefill_speed_beside: float | None = None
     """The same while streams of its own decode beside the prompt (None: not timed yet,
     `BESIDE_PRIOR` times `prefill_speed`)."""
-    prefill_contended: float = 1.0
+    prefill_contended: float | None = None
     """Its prefills run this many times slower while another engine on its host computes one
-    (`shares_host`; measured, `LoadState.observe_prefill`; 1 until timed)."""
+    (`shares_host`; measured, `LoadState.observe_prefill`; None: not timed yet, the prior of
+    `contended_factor`)."""
 
     def speed(self, beside: bool) -> float:
         """Its prefill speed with (`beside`) or without streams of its own decoding."""
         return beside_speed(self.prefill_speed, self.prefill_speed_beside) if beside \
             else self.prefill_speed
+
+    def contended(self) -> float:
+        """Its prefills' slowing while another engine on its host computes one."""
+        return contended_factor(self.side, self.prefill_contended)
 
     def prefill_seconds(self, model_s: float, start: float) -> float:
         """A prefill the fitted model puts at `model_s`, computed here from `start`: at its
@@ -250,11 +269,11 @@ class ClusterSnapshot:
         """(queue, work, compute) seconds of a prefill the fitted model puts at `model_s`,
         computed on `inst` after `queue` seconds of its queued work and a `pull` from the
         pool: its work (`InstanceLoad.prefill_seconds`), and the queue and the compute as they
-        run, `inst.prefill_contended` times slower for as long as an engine on its host is
+        run, `inst.contended()` times slower for as long as an engine on its host is
         predicted to compute (`peers_busy_until`; that engine's own slowing is not priced)."""
         now = self.now
         work = inst.prefill_seconds(model_s, now + queue + pull)
-        factor = inst.prefill_contended
+        factor = inst.contended()
         until = self.peers_busy_until(inst) if factor > 1.0 else 0.0
         if until <= now:
             return queue, work, work

@@ -122,7 +122,7 @@ def _disaggregated(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
         if queue <= 0.0:
             like = (hit, decoding, p.prefill_speed, p.prefill_speed_beside,
                     p.finishes[-1] if decoding and p.finishes else 0.0,
-                    p.prefill_contended, snap.peers_busy_until(p))
+                    p.contended(), snap.peers_busy_until(p))
             if like in idle_hits:
                 continue
             idle_hits.add(like)
