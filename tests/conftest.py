@@ -100,6 +100,17 @@ def model_dir() -> str:
     return os.environ.get("KVCLUSTER_TEST_MODEL") or str(ensure_model())
 
 
+@pytest.fixture
+def config_only_model(tmp_path) -> str:
+    """A model directory holding only a config.json: all the router reads of a model."""
+    import json
+
+    cfg = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "hidden_size": 256, "head_dim": 64, "dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
 @pytest.fixture(scope="session")
 def tokenizer(model_dir: str):
     from conductor.tokenizer import Tokenizer

@@ -5,8 +5,6 @@ timing of real dispatches on a clock the test moves."""
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 
 import pytest
 
@@ -138,25 +136,18 @@ def test_a_queue_and_a_prompt_are_priced_slower_while_a_peer_computes():
 
 # ---------------------------------------------------------------------- the router's timings
 
-@pytest.fixture
-def model_dir(tmp_path: Path) -> str:
-    cfg = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "hidden_size": 256, "head_dim": 64, "dtype": "float32"}
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    return str(tmp_path)
-
-
 def _member(iid: str, address: str) -> InstanceInfo:
     return InstanceInfo(instance_id=iid, role="both", address=address, model="m",
                         block_size=BS, capacity_tokens=100_000, version="t")
 
 
-async def test_a_prompt_timed_beside_a_peers_compute_teaches_its_factor(model_dir, monkeypatch):
+async def test_a_prompt_timed_beside_a_peers_compute_teaches_its_factor(config_only_model,
+                                                                         monkeypatch):
     """a and b share a host, c is apart: a's prompt ran all its 1.5x beside b's, so a learns
     a factor of 1.5 (not a slower speed) and the model the time it would have taken alone;
     c's, timed meanwhile, is its speed's; a's next prompt, while b computes, is priced slower."""
     registry = Registry()
-    router = Router(ConductorConfig(model=model_dir, etcd="127.0.0.1:1", kv_events=False,
+    router = Router(ConductorConfig(model=config_only_model, etcd="127.0.0.1:1", kv_events=False,
                                     disaggregate="never"), registry)
     registry.sync({"a": _member("a", "10.0.0.1:1"), "b": _member("b", "10.0.0.1:2"),
                    "c": _member("c", "10.0.0.2:1")})

@@ -5,9 +5,7 @@ relay that re-keys vLLM's KV events into the conductor's block hashes."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections import deque
-from pathlib import Path
 
 import pytest
 from conftest import wait_until
@@ -26,11 +24,8 @@ BS = 32
 
 
 @pytest.fixture
-def model_dir(tmp_path: Path) -> str:
-    cfg = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "hidden_size": 256, "head_dim": 64, "dtype": "float32"}
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    return str(tmp_path)
+def model_dir(config_only_model: str) -> str:
+    return config_only_model
 
 
 def _member(iid: str, role: str, port: int) -> InstanceInfo:
