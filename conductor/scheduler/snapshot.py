@@ -7,7 +7,7 @@ clock reading `now`) is in these frozen objects, so a decision can be replayed a
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right, insort
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -69,6 +69,8 @@ class InstanceLoad:
     """Of those, the tokens predicted to be computed (not served from a cache)."""
     busy_until: float = 0.0
     """When its queued prefill work is predicted to end (monotonic seconds, as `now`)."""
+    prefills: int = 0
+    """Prefills dispatched to it and not finished."""
     running: int = 0
     """Decode requests dispatched to it and not finished (counted before their prefill ends)."""
     kv_tokens: int = 0
@@ -77,6 +79,8 @@ class InstanceLoad:
     """Its KV cache size in tokens; 0 means unknown (never full)."""
     finishes: tuple[float, ...] = ()
     """Predicted finish times of its decode requests, ascending (monotonic seconds)."""
+    starts: tuple[float, ...] = ()
+    """Predicted first-token times of those not streaming yet, ascending."""
     cached_blocks: int = 0
     """Blocks the index holds for its local cache."""
     host: str = ""
@@ -104,24 +108,44 @@ class InstanceLoad:
         return beside_speed(self.prefill_speed, self.prefill_speed_beside) if beside \
             else self.prefill_speed
 
+    def stall_seconds(self, start: float, end: float) -> float:
+        """Seconds of its streams within [start, end], summed: how long a prefill computing
+        here then holds them up. Each stream counts from its predicted first token (when not
+        streaming yet) to its predicted finish (when listed). Counted as the number
+        dispatched times the prefill's time, a stream whose prompt was still being computed
+        elsewhere counted whole, and cold prompts queued behind each other on one engine
+        while the other sat idle (bench-e2e run 15, shared_prefix's first burst)."""
+        span = end - start
+        if span <= 0.0 or not self.running:
+            return 0.0
+        unlisted = max(self.running - len(self.finishes), 0)  # finishing after `end`
+        return max(unlisted * span + _within(self.finishes, start, end)
+                   - _within(self.starts, start, end), 0.0)
+
     def contended(self) -> float:
         """Its prefills' slowing while another engine on its host computes one."""
         return contended_factor(self.side, self.prefill_contended)
 
     def prefill_seconds(self, model_s: float, start: float) -> float:
         """A prefill the fitted model puts at `model_s`, computed here from `start`: at its
-        speed beside streams for as long as streams of its own are predicted to decode (the
-        last of `finishes`), at its speed alone after. Priced beside streams whole, a long
-        prompt queued behind streams about to end was predicted at 5.2 s and refused (bench-e2e
-        run 13, trace), where it would have taken ~3.5."""
+        speed beside streams for as long as streams of its own are predicted to decode (from
+        the first's first token, when none streams yet, to the last of `finishes`), at its
+        speed alone before and after. Priced beside streams whole, a long prompt queued behind
+        streams about to end was predicted at 5.2 s and refused (bench-e2e run 13, trace),
+        where it would have taken ~3.5."""
         alone = model_s * self.prefill_speed
-        overlap = self.finishes[-1] - start if self.finishes else 0.0
-        if overlap <= 0.0:
+        if not self.finishes:
+            return alone
+        begin = start if self.running > len(self.starts) else max(start, self.starts[0])
+        span = self.finishes[-1] - begin  # the streams', from when the prefill meets them
+        lead = begin - start
+        if span <= 0.0 or alone <= lead:
             return alone
         beside = model_s * self.speed(True)
-        if overlap >= beside:
-            return beside
-        return alone + overlap * (1.0 - alone / beside)  # the rest at the speed alone
+        left = 1.0 - lead / alone  # the share of its work left when the streams begin
+        if left * beside <= span:
+            return lead + left * beside
+        return lead + span + (left - span / beside) * alone  # the rest at the speed alone
 
     def can_prefill(self) -> bool:
         return self.role in ("prefill", "both")
@@ -264,6 +288,23 @@ class ClusterSnapshot:
             return 0.0
         return max(self.instances[n].busy_until for n in peers)
 
+    def peer_delay(self, inst: InstanceLoad, start: float, end: float) -> float:
+        """Seconds a prefill computing on `inst` from `start` to `end` adds to the TTFTs of
+        the prefills queued on the engines sharing its host: each one predicted to compute
+        meanwhile runs at its contended factor, and its queue ends later by the work it did
+        not do."""
+        peers = self._peers.get(inst.instance_id)  # type: ignore[attr-defined]
+        if not peers or end <= start:
+            return 0.0
+        total = 0.0
+        for n in peers:
+            q = self.instances[n]
+            overlap = min(q.busy_until, end) - start
+            factor = q.contended()
+            if overlap > 0.0 and factor > 1.0:
+                total += q.prefills * overlap * (1.0 - 1.0 / factor)
+        return total
+
     def prefill_timing(self, inst: InstanceLoad, model_s: float, queue: float, pull: float
                        ) -> tuple[float, float, float]:
         """(queue, work, compute) seconds of a prefill the fitted model puts at `model_s`,
@@ -311,6 +352,14 @@ def shares_host(a: InstanceLoad, b: InstanceLoad) -> bool:
     if a.gpus or b.gpus:
         return bool(a.gpus & b.gpus)
     return True
+
+
+def _within(times: tuple[float, ...], start: float, end: float) -> float:
+    """The sum over `times` (ascending) of each one's time past `start`, at most `end`."""
+    if not times:
+        return 0.0
+    lo, hi = bisect_right(times, start), bisect_left(times, end)
+    return (len(times) - hi) * (end - start) + sum(times[lo:hi]) - (hi - lo) * start
 
 
 def _set(obj: object, **fields: object) -> None:

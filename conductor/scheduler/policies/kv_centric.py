@@ -21,7 +21,8 @@ its start-up probe, then its own timings, apart for prompts beside streams of it
 long as those are predicted to run: `InstanceLoad.prefill_seconds`), so that an engine on
 fewer or busier cores, or decoding, is priced as it runs; x's queue and prefill also run its
 measured contended factor slower while another engine on its host is predicted to compute
-(`ClusterSnapshot.prefill_timing`). A side instance
+(`ClusterSnapshot.prefill_timing`), and a route's cost counts the time it adds to that
+engine's queue (`ClusterSnapshot.peer_delay`). A side instance
 (one on the serving processes' cores, `InstanceLoad.side`) prefills at `SchedulerParams.
 side_cost` times the cost (1 by default), and a local route there adds one TBT per output token
 (not to its predicted TTFT; a disaggregated route that only decodes there pays no such term):
@@ -31,7 +32,8 @@ the lone long streams.
 A prefill also delays the streams decoding where it computes: d's, for a local route; p's own
 (an instance in the `both` role) and, in proportion to `snapshot.contention(p, d)`, d's when
 the two share cores, for a disaggregated one. A route's cost is its TTFT plus those delays
-(running streams x prefill seconds); the cheapest route that keeps the TTFT and TBT SLOs wins
+(the seconds of those streams predicted within the prefill: `InstanceLoad.stall_seconds`);
+the cheapest route that keeps the TTFT and TBT SLOs wins
 (`SchedulerParams.disaggregate` may force one kind). None does: a `Reject` (429 with
 Retry-After) before any work is done.
 
@@ -118,11 +120,11 @@ def _disaggregated(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
     for p in snap.prefill_by_queue():
         queue = p.busy_until - now
         hit = min(local.get(p.instance_id, 0) if local else 0, loadable)
-        decoding = p.running if p.can_decode() else 0
+        decoding = p.running > 0 and p.can_decode()
         if queue <= 0.0:
-            like = (hit, decoding, p.prefill_speed, p.prefill_speed_beside,
-                    p.finishes[-1] if decoding and p.finishes else 0.0,
-                    p.contended(), snap.peers_busy_until(p))
+            like = (hit, p.finishes if decoding else (), p.starts if decoding else (),
+                    p.prefill_speed, p.prefill_speed_beside, p.contended(),
+                    snap.peers_busy_until(p))
             if like in idle_hits:
                 continue
             idle_hits.add(like)
@@ -136,7 +138,10 @@ def _disaggregated(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
         pull_p = tfix + (pool - hit) * tpb if pool > hit else 0.0
         wait, work, cost = snap.prefill_timing(p, cost, queue, pull_p)
         ttft = wait + cost + pull_p
-        rank = ttft + decoding * cost  # its own streams wait for this prefill
+        # plus the time its own streams, and its peers' queued prompts, wait for this one
+        rank = ttft + snap.peer_delay(p, now + ttft - cost, now + ttft)
+        if decoding:
+            rank += p.stall_seconds(now + ttft - cost, now + ttft)
         if p.side:
             rank *= prm.side_cost
         rows.append((rank, hit, p, cached, cost, ttft, work))
@@ -173,7 +178,7 @@ def _disaggregated(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
             if hit:
                 pull = tfix + (loadable - hit) * tpb if hit < loadable else 0.0
         share = contention(p, d)
-        stall = share * d.running * cost if share and d.running else 0.0
+        stall = share * d.stall_seconds(arrive - cost, arrive) if share and d.running else 0.0
         score = tbt + pull + stall
         if best is None or score < best[0]:
             best = (score, d, tbt, pull, stall)
@@ -217,7 +222,8 @@ def _local(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
             if pool > hit else 0.0
         queue, work, cost = snap.prefill_timing(d, cost, max(d.busy_until - now, 0.0), pull)
         ttft = queue + pull + cost
-        total = ttft + max(running, 0) * cost
+        total = ttft + d.stall_seconds(now + ttft - cost, now + ttft) \
+            + snap.peer_delay(d, now + ttft - cost, now + ttft)
         if d.side:  # and its tokens come at about half speed: one TBT more each
             total = total * prm.side_cost + req.max_tokens * tbt
         if best is None or total < best.cost_s:
