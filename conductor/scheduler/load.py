@@ -294,7 +294,6 @@ class LoadState:
             block_size=self.block_size,
             queued_uncached_tokens=self.queued_uncached_tokens,
             busy_until=self._head_started + self._work_s if self._prefills else 0.0,
-            prefills=len(self._prefills),
             running=len(self._decodes),
             kv_tokens=self.kv_tokens,
             kv_capacity_tokens=self.kv_capacity_tokens,

@@ -69,8 +69,6 @@ class InstanceLoad:
     """Of those, the tokens predicted to be computed (not served from a cache)."""
     busy_until: float = 0.0
     """When its queued prefill work is predicted to end (monotonic seconds, as `now`)."""
-    prefills: int = 0
-    """Prefills dispatched to it and not finished."""
     running: int = 0
     """Decode requests dispatched to it and not finished (counted before their prefill ends)."""
     kv_tokens: int = 0
@@ -287,23 +285,6 @@ class ClusterSnapshot:
         if not peers:
             return 0.0
         return max(self.instances[n].busy_until for n in peers)
-
-    def peer_delay(self, inst: InstanceLoad, start: float, end: float) -> float:
-        """Seconds a prefill computing on `inst` from `start` to `end` adds to the TTFTs of
-        the prefills queued on the engines sharing its host: each one predicted to compute
-        meanwhile runs at its contended factor, and its queue ends later by the work it did
-        not do."""
-        peers = self._peers.get(inst.instance_id)  # type: ignore[attr-defined]
-        if not peers or end <= start:
-            return 0.0
-        total = 0.0
-        for n in peers:
-            q = self.instances[n]
-            overlap = min(q.busy_until, end) - start
-            factor = q.contended()
-            if overlap > 0.0 and factor > 1.0:
-                total += q.prefills * overlap * (1.0 - 1.0 / factor)
-        return total
 
     def prefill_timing(self, inst: InstanceLoad, model_s: float, queue: float, pull: float
                        ) -> tuple[float, float, float]:

@@ -21,8 +21,9 @@ its start-up probe, then its own timings, apart for prompts beside streams of it
 long as those are predicted to run: `InstanceLoad.prefill_seconds`), so that an engine on
 fewer or busier cores, or decoding, is priced as it runs; x's queue and prefill also run its
 measured contended factor slower while another engine on its host is predicted to compute
-(`ClusterSnapshot.prefill_timing`), and a route's cost counts the time it adds to that
-engine's queue (`ClusterSnapshot.peer_delay`). A side instance
+(`ClusterSnapshot.prefill_timing`; the time it adds to that engine's queue is not priced:
+with the side engine's factor above the other's, that pushed the trace's prompts onto the side
+engine's queue, TTFT p50 1.13 s against 0.78, session 21's first short run). A side instance
 (one on the serving processes' cores, `InstanceLoad.side`) prefills at `SchedulerParams.
 side_cost` times the cost (1 by default), and a local route there adds one TBT per output token
 (not to its predicted TTFT; a disaggregated route that only decodes there pays no such term):
@@ -138,8 +139,7 @@ def _disaggregated(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
         pull_p = tfix + (pool - hit) * tpb if pool > hit else 0.0
         wait, work, cost = snap.prefill_timing(p, cost, queue, pull_p)
         ttft = wait + cost + pull_p
-        # plus the time its own streams, and its peers' queued prompts, wait for this one
-        rank = ttft + snap.peer_delay(p, now + ttft - cost, now + ttft)
+        rank = ttft  # plus the time its own streams wait for this prefill
         if decoding:
             rank += p.stall_seconds(now + ttft - cost, now + ttft)
         if p.side:
@@ -222,8 +222,7 @@ def _local(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
             if pool > hit else 0.0
         queue, work, cost = snap.prefill_timing(d, cost, max(d.busy_until - now, 0.0), pull)
         ttft = queue + pull + cost
-        total = ttft + d.stall_seconds(now + ttft - cost, now + ttft) \
-            + snap.peer_delay(d, now + ttft - cost, now + ttft)
+        total = ttft + d.stall_seconds(now + ttft - cost, now + ttft)
         if d.side:  # and its tokens come at about half speed: one TBT more each
             total = total * prm.side_cost + req.max_tokens * tbt
         if best is None or total < best.cost_s:
