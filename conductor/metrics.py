@@ -204,13 +204,12 @@ class _ClusterCollector(Collector):
         slowdown = GaugeMetricFamily(
             "kvcluster_instance_prefill_slowdown", "The instance's prefill times as the "
             "conductor prices them: over the fitted model's, alone and beside streams of its "
-            "own; and contended, the factor on either while another engine on its host computes.",
+            "own.",
             labels=["instance", "role", "when"])
         for i in self._instances():
             in_flight.add_metric([i.instance_id, i.role], i.in_flight)
             queued.add_metric([i.instance_id, i.role], i.queued_prompt_tokens)
-            for when, value in (("alone", i.speed(False)), ("beside", i.speed(True)),
-                                ("contended", i.contended())):
+            for when, value in (("alone", i.speed(False)), ("beside", i.speed(True))):
                 slowdown.add_metric([i.instance_id, i.role, when], value)
         yield in_flight
         yield queued

@@ -21,12 +21,7 @@ from cluster.resilience import Breaker
 from cluster.secret import ClusterSecret, bind
 from conductor.calls import close_channel_later
 from conductor.scheduler.load import LoadState
-from conductor.scheduler.snapshot import (
-    ClusterSnapshot,
-    InstanceLoad,
-    SchedulerParams,
-    shares_host,
-)
+from conductor.scheduler.snapshot import ClusterSnapshot, InstanceLoad, SchedulerParams
 from protos import worker_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -184,10 +179,6 @@ class Registry:
         self._cool_down()
         return list(self._instances.values())
 
-    def peers(self, inst: Instance) -> list[Instance]:
-        """The instances whose compute slows `inst`'s (`snapshot.shares_host`)."""
-        return [o for o in self._instances.values() if shares_host(inst.load, o.load)]
-
     def _cool_down(self) -> None:
         """Half-open the breakers whose cool-down is over (lazily, on every read of the
         instances' states: an instance must not stay "broken" for want of traffic)."""
@@ -292,22 +283,21 @@ class Registry:
 
     def snapshot(self, now: float = 0.0, params: SchedulerParams | None = None,
                  cached_blocks: Callable[[str], int] | None = None) -> ClusterSnapshot:
-        """Every instance's load, frozen, the routable ones' (not draining, not unhealthy) to
-        route to (`ClusterSnapshot.exclude`). Kept up to date by patching the previous
-        snapshot with the instances changed since (`LoadState.on_change`, `mark_changed`): its
-        cost follows changes, not cluster size."""
+        """The routable (not draining, not unhealthy) instances' loads, frozen. Kept up to
+        date by patching the previous snapshot with the instances changed since
+        (`LoadState.on_change`, `mark_changed`): its cost follows changes, not cluster size."""
         self._cool_down()
         snap, dirty = self._snap, self._dirty
         params = params or (snap.params if snap is not None else SchedulerParams())
         cached = cached_blocks or _none
         if snap is None or snap.params is not params:
-            insts = self._instances.items()
-            snap = ClusterSnapshot(tuple(i.load.view(cached(iid)) for iid, i in insts), now,
-                                   params, frozenset(iid for iid, i in insts if not i.routable))
+            loads = tuple(i.load.view(cached(iid))
+                          for iid, i in self._instances.items() if i.routable)
+            snap = ClusterSnapshot(loads, now, params)
         else:
             insts = self._instances
             snap = snap.replacing([i.load.view(cached(iid)) for iid in dirty
-                                   if (i := insts.get(iid)) is not None], now)
+                                   if (i := insts.get(iid)) is not None and i.routable], now)
         dirty.clear()
         self._snap = snap
         return snap

@@ -131,12 +131,6 @@ class Router:
         """The default TBT SLO now."""
         return self._base.tbt_slo_s
 
-    def contended_seconds(self, inst: Instance, start: float, end: float) -> float:
-        """Seconds of [start, end] in which an engine sharing `inst`'s host computed prompts
-        (the most over those engines)."""
-        return max((o.load.busy_overlap(start, end) for o in self.registry.peers(inst)),
-                   default=0.0)
-
     # ------------------------------------------------------------------ deciding
 
     def params(self, block_size: int) -> SchedulerParams:
@@ -175,7 +169,8 @@ class Router:
         self.index.expire(now)
         snap = self.snapshot(now, block_size)
         if exclude:
-            snap = ClusterSnapshot(snap.instances, now, snap.params, snap.exclude | set(exclude))
+            snap = ClusterSnapshot(tuple(i for i in snap.instances
+                                         if i.instance_id not in exclude), now, snap.params)
         self._seq += 1
         req = RouteRequest(len(token_ids), block_hashes, self.index.match(block_hashes),
                            max_tokens, self._seq, ttft_slo_s, tbt_slo_s)
@@ -294,6 +289,7 @@ class Dispatch:
         time since the instance's previous completion (a busy server's inter-departure time
         is its service time), so the model follows the machine during bursts too."""
         now = time.monotonic()
+        p = self.prefill.load
         solo, service = self._end_prefill(now)
         idx = self.router.index
         idx.store(self.prefill.instance_id, self.block_hashes)
@@ -306,9 +302,10 @@ class Dispatch:
         self.router.counters.reported_prompt_tokens += num_prompt_tokens
         uncached = num_prompt_tokens - num_cached_tokens
         seconds = engine_seconds if solo else service
-        learned = self._timed(uncached, num_cached_tokens, seconds, solo, now)
-        if learned is not None:
-            self.router.prefill_fit.observe(uncached, num_cached_tokens, learned, exact=solo,
+        if self._timed(uncached, num_cached_tokens, seconds, solo):
+            # the instance's speed takes what sets it apart, the model learns the rest
+            self.router.prefill_fit.observe(uncached, num_cached_tokens,
+                                            seconds / p.speed(self._beside), exact=solo,
                                             now=now)
 
     def first_token(self, num_cached_tokens: int | None = None) -> None:
@@ -333,39 +330,36 @@ class Dispatch:
             # alone at dispatch: from then (a short prompt sent after it may ride along in its
             # last step and finish a moment before it, which would leave it that moment)
             seconds = now - self.started if self._solo else service
-            learned = self._timed(uncached, cached, seconds, self._solo, now)
-            if learned is not None:
-                self.router.prefill_fit.observe(uncached, cached, learned, exact=self._solo,
-                                                now=now)
+            if self._timed(uncached, cached, seconds, self._solo):
+                self.router.prefill_fit.observe(uncached, cached,
+                                                seconds / self.prefill.load.speed(self._beside),
+                                                exact=self._solo, now=now)
         else:  # the decode instance loaded the prefill's blocks
             self.router.index.predict(self.decode.instance_id, self.block_hashes, now)
 
-    def _timed(self, uncached: int, cached: int, seconds: float, exact: bool, now: float
-               ) -> float | None:
-        """A prefill's timing, ended `now`, as the model learns it (divided by the instance's
-        speed, which takes what sets it apart, without the slowing by another engine on its
-        host computing meanwhile: `LoadState.uncontended`), or None when it is not one for the
-        model (an engine's first prefill pays its warm-up: seconds for a few tokens here; an
-        inter-departure time far from the prediction is a batch or a wait, not a service time:
-        `prefill_model.plausible`). One of a prefill that ran alone and computed
-        `SPEED_MIN_TOKENS` or more also joins the instance's speeds: short ones time a step's
-        overheads, and inter-departure times on engines sharing cores measured up to 20x the
-        model (bench-e2e's 2P+2D arm), which the queue then counted again."""
+    def _timed(self, uncached: int, cached: int, seconds: float, exact: bool) -> bool:
+        """Whether a prefill's timing is one for the model (an engine's first prefill pays
+        its warm-up: seconds for a few tokens here; an inter-departure time far from the
+        prediction is a batch or a wait, not a service time: `prefill_model.plausible`). One
+        of a prefill that ran alone and computed `SPEED_MIN_TOKENS` or more also joins the
+        instance's speed: short ones time a step's overheads, and inter-departure times on
+        engines sharing cores measured up to 20x the model (bench-e2e's 2P+2D arm), which
+        the queue then counted again."""
         iid = self.prefill.instance_id
         if iid not in self.router.warm:
             self.router.warm.add(iid)
-            return None
-        if self._beside is None or uncached <= 0:  # streams beside part of it: neither speed's
-            return None
-        load, model = self.prefill.load, self.router.prefill_fit.model
-        overlap = self.router.contended_seconds(self.prefill, now - seconds, now)
+            return False
+        if self._beside is None:  # streams beside part of it: neither speed's timing
+            return False
+        predicted = self.router.prefill_fit.model.predict(uncached, cached)
+        load = self.prefill.load
+        if uncached <= 0 or (not exact and not plausible(
+                seconds, predicted * load.speed(self._beside))):
+            return False
         if exact and uncached >= SPEED_MIN_TOKENS:
-            load.observe_prefill(uncached, cached, seconds, model, beside=self._beside,
-                                 overlap=overlap)
-        learned = load.uncontended(seconds, overlap) / load.speed(self._beside)
-        if not exact and not plausible(learned, model.predict(uncached, cached)):
-            return None
-        return learned
+            load.observe_prefill(uncached, cached, seconds, self.router.prefill_fit.model,
+                                 beside=self._beside)
+        return True
 
     def tokens(self, token_ids: list[int], record: bool = True) -> None:
         """New output tokens; `record`: they extend the sequence the decode cache will hold

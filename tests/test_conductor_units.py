@@ -211,8 +211,8 @@ def test_metrics_count_requests_tokens_and_cache_hits():
 
 def test_metrics_show_each_instances_prices():
     load = InstanceLoad(instance_id="b0", role="both", in_flight=0, queued_prompt_tokens=0,
-                        block_size=32, prefill_speed=2.0, prefill_contended=1.5)
+                        block_size=32, prefill_speed=2.0)
     text = Metrics(lambda: [load]).exposition().decode()
-    for when, value in (("alone", 2.0), ("beside", 2.0 * BESIDE_PRIOR), ("contended", 1.5)):
+    for when, value in (("alone", 2.0), ("beside", 2.0 * BESIDE_PRIOR)):
         assert (f'kvcluster_instance_prefill_slowdown{{instance="b0",role="both",when="{when}"}}'
                 f" {value}") in text

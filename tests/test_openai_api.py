@@ -534,7 +534,7 @@ def test_metrics_cover_latency_tokens_and_load(client, local, model):
                  'kvcluster_instance_in_flight{instance="decode-0",role="decode"}',
                  'kvcluster_instance_queued_prompt_tokens{instance="prefill-0",role="prefill"}',
                  'kvcluster_instance_prefill_slowdown{instance="prefill-0",role="prefill",'
-                 'when="contended"}',
+                 'when="beside"}',
                  'kvcluster_cache_hit_ratio{source="pool"}',
                  "kvcluster_generation_tokens_total"):
         assert name in text, name

@@ -21,7 +21,6 @@ from conductor.scheduler.policy import DECODES_ALONE, DEFAULT_POLICY, POLICIES
 from conductor.scheduler.prefill_model import PrefillTimeFitter, PrefillTimeModel
 from conductor.scheduler.snapshot import (
     BESIDE_PRIOR,
-    CONTENDED_PRIOR,
     ClusterSnapshot,
     InstanceLoad,
     PrefixMatch,
@@ -226,8 +225,7 @@ def test_a_side_engine_gets_a_prompt_only_when_it_ends_it_sooner_tokens_included
     engine with a core of its own: a lone prompt still goes to the dedicated engine; beside a
     single stream there, a long answer is prefilled on the side engine and streamed by the
     dedicated one (each token a TBT slower on the side engine), a short one goes to the side
-    engine, and so does a prompt behind a queue of seconds, its predicted TTFT its work slowed
-    by the other engine's computing (`CONTENDED_PRIOR`), the queue there unpriced."""
+    engine, and so does a prompt behind a queue of seconds, its predicted TTFT unpriced."""
     home = dataclasses.replace(inst("b0", "both", cores="1", threads=1), prefill_speed=1.0)
     side = dataclasses.replace(inst("b1", "both", cores="0", threads=1), prefill_speed=0.9,
                                side=True)
@@ -243,8 +241,8 @@ def test_a_side_engine_gets_a_prompt_only_when_it_ends_it_sooner_tokens_included
     queued = dataclasses.replace(home, running=2, busy_until=NOW + 3.0)
     route = kv_centric(snap(queued, side, disaggregate="auto"), request(2048))
     assert pair(route) == ("b1", "b1")
-    assert route.predicted_ttft_s == pytest.approx(CONTENDED_PRIOR * route.prefill_s)
-    assert route.cost_s == pytest.approx(route.predicted_ttft_s + 16 * route.predicted_tbt_s)
+    assert route.predicted_ttft_s == pytest.approx(route.prefill_s)
+    assert route.cost_s == pytest.approx(route.prefill_s + 16 * route.predicted_tbt_s)
     priced = kv_centric(snap(home, side, disaggregate="auto", side_cost=3.0), request(2048))
     assert pair(priced) == ("b0", "b0")  # an operator's price still applies
 

@@ -18,17 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from conductor.scheduler.prefill_model import PrefillTimeModel
-from conductor.scheduler.snapshot import InstanceLoad, beside_speed, contended_factor
+from conductor.scheduler.snapshot import InstanceLoad, beside_speed
 
 SPEED_WINDOW = 8
 SPEED_RANGE = (0.2, 10.0)
-CONTENDED_SHARE = (0.1, 0.5)
-"""A prefill timing during which another engine on its host computed for less than the first
-share of it counts towards the speeds; for the second share or more, towards the contended
-factor; in between, towards neither."""
-CONTENDED_RANGE = (1.0, 4.0)
-BUSY_HISTORY = 64
-"""The spans in which it computed prompts that it keeps (`busy_overlap`)."""
 
 
 @dataclass
@@ -79,15 +72,6 @@ class LoadState:
             beside: deque(maxlen=SPEED_WINDOW) for beside in (False, True)}
         """Its last prefills that count towards its speeds, without and with streams of its
         own beside them: (uncached, cached, seconds)."""
-        self.prefill_contended: float | None = None
-        """Its prefills' slowing while another engine on its host computes one, as timed
-        (`InstanceLoad.prefill_contended`; None: not yet)."""
-        self._contended: deque[tuple[int, int, float, bool, float]] = deque(maxlen=SPEED_WINDOW)
-        """Its last prefills that count towards it: (uncached, cached, seconds, beside, the
-        seconds of them another engine on its host computed)."""
-        self._busy_since: float | None = None
-        self._busy: deque[tuple[float, float]] = deque(maxlen=BUSY_HISTORY)
-        """The last spans (start, end) in which it had prompts to compute."""
         self.on_change: Callable[[str], None] | None = None
         """Told the instance id whenever the load changes (the registry's snapshot upkeep)."""
 
@@ -107,7 +91,7 @@ class LoadState:
     def add_prefill(self, request_id: str, prompt_tokens: int, uncached_tokens: int,
                     predicted_s: float, now: float) -> None:
         if not self._prefills:
-            self._head_started = self._busy_since = now
+            self._head_started = now
             self._work_s = 0.0
         self._prefills[request_id] = (predicted_s, prompt_tokens, uncached_tokens)
         self._both += request_id in self._decodes
@@ -124,9 +108,6 @@ class LoadState:
         predicted_s, prompt_tokens, uncached_tokens = entry
         self._both -= request_id in self._decodes
         self._work_s = max(self._work_s - predicted_s, 0.0) if self._prefills else 0.0
-        if not self._prefills and self._busy_since is not None:
-            self._busy.append((self._busy_since, now))
-            self._busy_since = None
         self._head_started = now
         self.queued_prompt_tokens -= prompt_tokens
         self.queued_uncached_tokens -= uncached_tokens
@@ -142,44 +123,14 @@ class LoadState:
         return beside_speed(self.prefill_speed, self.prefill_speed_beside) if beside \
             else self.prefill_speed
 
-    def busy_overlap(self, start: float, end: float) -> float:
-        """Seconds of [start, end] in which it had prompts to compute (within `BUSY_HISTORY`
-        spans)."""
-        total = 0.0
-        if self._busy_since is not None:
-            total += max(end - max(self._busy_since, start), 0.0)
-        for a, b in reversed(self._busy):
-            if b <= start:
-                break
-            total += max(min(b, end) - max(a, start), 0.0)
-        return total
-
-    def uncontended(self, seconds: float, overlap: float) -> float:
-        """A prefill's `seconds` as they would have run alone on its host, `overlap` of them
-        beside another engine's compute (at `contended`)."""
-        return seconds - overlap + overlap / self.contended()
-
-    def contended(self) -> float:
-        """Its prefills' slowing while another engine on its host computes one."""
-        return contended_factor(self.side, self.prefill_contended)
-
     def observe_prefill(self, uncached: int, cached: int, seconds: float,
-                        model: PrefillTimeModel, beside: bool = False,
-                        overlap: float = 0.0) -> None:
+                        model: PrefillTimeModel, beside: bool = False) -> None:
         """A prefill of this instance computed `uncached` tokens after `cached` in `seconds`,
-        with streams of its own decoding (`beside`) or not, `overlap` of those seconds while
-        another engine on its host computed: by `CONTENDED_SHARE`, its speed becomes its last
-        `SPEED_WINDOW` such timings' mean ratio to `model`, or its contended factor theirs
-        over that speed, or neither."""
+        with streams of its own decoding (`beside`) or not: that speed becomes its last
+        `SPEED_WINDOW` such timings' mean ratio to `model`."""
         if seconds <= 0 or uncached <= 0:
             return
-        share = overlap / seconds
-        if share < CONTENDED_SHARE[0]:
-            self._timings[beside].append((uncached, cached, seconds))
-        elif share >= CONTENDED_SHARE[1]:
-            self._contended.append((uncached, cached, seconds, beside, overlap))
-        else:
-            return
+        self._timings[beside].append((uncached, cached, seconds))
         self.respeed(model)
 
     def respeed(self, model: PrefillTimeModel) -> None:
@@ -191,27 +142,9 @@ class LoadState:
         alone = _mean_ratio(self._timings[False], model)
         beside = _mean_ratio(self._timings[True], model)
         alone = self.prefill_speed if alone is None else alone
-        contended = self._contended_factor(model, alone, beside)
-        if (alone, beside, contended) != (self.prefill_speed, self.prefill_speed_beside,
-                                          self.prefill_contended):
+        if (alone, beside) != (self.prefill_speed, self.prefill_speed_beside):
             self.prefill_speed, self.prefill_speed_beside = alone, beside
-            self.prefill_contended = contended
             self._changed()
-
-    def _contended_factor(self, model: PrefillTimeModel, alone: float,
-                          beside: float | None) -> float | None:
-        """The contended timings' mean slowing against the speeds: a prefill of `seconds`
-        whose work alone would take `w`, `overlap` of them contended, ran at `k` with
-        `w = overlap / k + seconds - overlap`; clamped to `CONTENDED_RANGE`."""
-        if not self._contended:
-            return self.prefill_contended
-        lo, hi = CONTENDED_RANGE
-        factors = []
-        for u, c, seconds, by, overlap in self._contended:
-            work = model.predict(u, c) * (beside_speed(alone, beside) if by else alone)
-            rest = work - (seconds - overlap)  # the work done while contended
-            factors.append(hi if rest <= 0 else min(max(overlap / rest, lo), hi))
-        return sum(factors) / len(factors)
 
     def prefills_in_flight(self) -> int:
         return len(self._prefills)
@@ -307,7 +240,6 @@ class LoadState:
             gpus=self.gpus,
             prefill_speed=self.prefill_speed,
             prefill_speed_beside=self.prefill_speed_beside,
-            prefill_contended=self.prefill_contended,
         )
         return v
 

@@ -23,34 +23,9 @@ half the step budget); those timed at dispatch with the engine's learned speed a
 learn it before the first burst of cold prompts (a short run's first, 1.48x)."""
 
 
-CONTENDED_PRIOR = 1.4
-"""A side instance's (`InstanceLoad.side`) prefill time while another engine on its host
-computes one over its time without, until it has timed such a prefill
-(`InstanceLoad.prefill_contended`); any other instance's is 1 until then. bench-e2e run 15 (two
-cores, the side engine on the serving processes' core): the side engine's lone cold prompts
-took 1.37-1.44x their price beside the other engine's, 0.88-1.09x alone; the dedicated
-engine's 0.84-1.14x either way. Its first burst comes before any such timing."""
-
-
-def contended_factor(side: bool, timed: float | None) -> float:
-    """The contended factor: as timed, else the prior (`CONTENDED_PRIOR` for a side one)."""
-    return timed if timed is not None else (CONTENDED_PRIOR if side else 1.0)
-
-
 def beside_speed(alone: float, beside: float | None) -> float:
     """The speed beside streams: as timed, else `BESIDE_PRIOR` times the speed alone."""
     return alone * BESIDE_PRIOR if beside is None else beside
-
-
-def stretched(start: float, seconds: float, until: float, factor: float) -> float:
-    """Wall seconds of `seconds` of work begun at `start` that runs `factor` times slower until
-    `until` (and at full speed after)."""
-    span = until - start
-    if span <= 0.0 or factor <= 1.0:
-        return seconds
-    if seconds * factor <= span:
-        return seconds * factor
-    return span + seconds - span / factor
 
 
 @dataclass(frozen=True)
@@ -96,10 +71,6 @@ class InstanceLoad:
     prefill_speed_beside: float | None = None
     """The same while streams of its own decode beside the prompt (None: not timed yet,
     `BESIDE_PRIOR` times `prefill_speed`)."""
-    prefill_contended: float | None = None
-    """Its prefills run this many times slower while another engine on its host computes one
-    (`shares_host`; measured, `LoadState.observe_prefill`; None: not timed yet, the prior of
-    `contended_factor`)."""
 
     def speed(self, beside: bool) -> float:
         """Its prefill speed with (`beside`) or without streams of its own decoding."""
@@ -119,10 +90,6 @@ class InstanceLoad:
         unlisted = max(self.running - len(self.finishes), 0)  # finishing after `end`
         return max(unlisted * span + _within(self.finishes, start, end)
                    - _within(self.starts, start, end), 0.0)
-
-    def contended(self) -> float:
-        """Its prefills' slowing while another engine on its host computes one."""
-        return contended_factor(self.side, self.prefill_contended)
 
     def prefill_seconds(self, model_s: float, start: float) -> float:
         """A prefill the fitted model puts at `model_s`, computed here from `start`: at its
@@ -197,21 +164,16 @@ class ClusterSnapshot:
     now: float = 0.0
     """The clock reading the snapshot was taken at (monotonic seconds)."""
     params: SchedulerParams = field(default_factory=SchedulerParams)
-    exclude: frozenset[str] = frozenset()
-    """Instances a policy must not route to (draining, unhealthy, or failed this request):
-    their loads still slow their peers' (`peers_busy_until`)."""
 
     def __post_init__(self) -> None:
-        out = self.exclude
-        prefill = tuple(i for i in self.instances if i.can_prefill() and i.instance_id not in out)
-        decode = tuple(i for i in self.instances if i.can_decode() and i.instance_id not in out)
+        prefill = tuple(i for i in self.instances if i.can_prefill())
+        decode = tuple(i for i in self.instances if i.can_decode())
         tbt = self.params.tbt
         _set(self, _prefill=prefill, _decode=decode,
              _prefill_by_id={i.instance_id: i for i in prefill},
              _prefill_by_queue=tuple(sorted(prefill, key=_queue_key)),
              _decode_rows=tuple(_decode_row(tbt, i) for i in decode),
              _pos={i.instance_id: n for n, i in enumerate(self.instances)},
-             _peers=_peers(self.instances),
              _prefill_pos={i.instance_id: n for n, i in enumerate(prefill)},
              _decode_pos={i.instance_id: n for n, i in enumerate(decode)})
 
@@ -278,30 +240,6 @@ class ClusterSnapshot:
         """The prefill-capable instance of that id, if any."""
         return self._prefill_by_id.get(instance_id)  # type: ignore[attr-defined]
 
-    def peers_busy_until(self, inst: InstanceLoad) -> float:
-        """When the last prefill queued on an engine sharing `inst`'s host (`shares_host`) is
-        predicted to end (0: none queued)."""
-        peers = self._peers.get(inst.instance_id)  # type: ignore[attr-defined]
-        if not peers:
-            return 0.0
-        return max(self.instances[n].busy_until for n in peers)
-
-    def prefill_timing(self, inst: InstanceLoad, model_s: float, queue: float, pull: float
-                       ) -> tuple[float, float, float]:
-        """(queue, work, compute) seconds of a prefill the fitted model puts at `model_s`,
-        computed on `inst` after `queue` seconds of its queued work and a `pull` from the
-        pool: its work (`InstanceLoad.prefill_seconds`), and the queue and the compute as they
-        run, `inst.contended()` times slower for as long as an engine on its host is
-        predicted to compute (`peers_busy_until`; that engine's own slowing is not priced)."""
-        now = self.now
-        work = inst.prefill_seconds(model_s, now + queue + pull)
-        factor = inst.contended()
-        until = self.peers_busy_until(inst) if factor > 1.0 else 0.0
-        if until <= now:
-            return queue, work, work
-        queue = stretched(now, queue, until, factor)
-        return queue, work, stretched(now + queue + pull, work, until, factor)
-
 
 def contention(p: InstanceLoad, d: InstanceLoad) -> float:
     """The share of `d`'s speed a prefill running on `p` takes away: 1 on the same engine, 0
@@ -322,19 +260,6 @@ def contention(p: InstanceLoad, d: InstanceLoad) -> float:
     return min(max(over / d.threads, 0.0), 1.0)
 
 
-def shares_host(a: InstanceLoad, b: InstanceLoad) -> bool:
-    """Whether a prompt computing on `b` slows one computing on `a`: two engines on one host's
-    CPU (whatever their cores: they share its memory bandwidth, its serving processes and, on a
-    VM, perhaps a physical core; bench-e2e run 15, 2 cores: a prompt on the side engine took
-    1.4-1.7x its price while the other engine computed one, 0.95-1.2x alone) or on a common
-    accelerator. Duck-typed: `LoadState`s answer too."""
-    if a.instance_id == b.instance_id or not a.host or a.host != b.host:
-        return False
-    if a.gpus or b.gpus:
-        return bool(a.gpus & b.gpus)
-    return True
-
-
 def _within(times: tuple[float, ...], start: float, end: float) -> float:
     """The sum over `times` (ascending) of each one's time past `start`, at most `end`."""
     if not times:
@@ -346,18 +271,6 @@ def _within(times: tuple[float, ...], start: float, end: float) -> float:
 def _set(obj: object, **fields: object) -> None:
     for name, value in fields.items():
         object.__setattr__(obj, name, value)
-
-
-def _peers(instances: tuple[InstanceLoad, ...]) -> dict[str, tuple[int, ...]]:
-    """Per instance id, the positions of the instances sharing its host (`shares_host`):
-    hosts and positions stay as they are while a snapshot is `replacing` loads."""
-    by_host: dict[str, list[int]] = {}
-    for n, i in enumerate(instances):
-        if i.host:
-            by_host.setdefault(i.host, []).append(n)
-    return {instances[n].instance_id: tuple(m for m in group
-                                            if shares_host(instances[n], instances[m]))
-            for group in by_host.values() if len(group) > 1 for n in group}
 
 
 def _queue_key(i: InstanceLoad) -> tuple[float, str]:

@@ -19,11 +19,7 @@ measured transfer time per block (`transfer_s_per_block`):
 prefill(u on x) is the fitted model's time times x's measured speed (`InstanceLoad.speed`:
 its start-up probe, then its own timings, apart for prompts beside streams of its own, for as
 long as those are predicted to run: `InstanceLoad.prefill_seconds`), so that an engine on
-fewer or busier cores, or decoding, is priced as it runs; x's queue and prefill also run its
-measured contended factor slower while another engine on its host is predicted to compute
-(`ClusterSnapshot.prefill_timing`; the time it adds to that engine's queue is not priced:
-with the side engine's factor above the other's, that pushed the trace's prompts onto the side
-engine's queue, TTFT p50 1.13 s against 0.78, session 21's first short run). A side instance
+fewer or busier cores, or decoding, is priced as it runs. A side instance
 (one on the serving processes' cores, `InstanceLoad.side`) prefills at `SchedulerParams.
 side_cost` times the cost (1 by default), and a local route there adds one TBT per output token
 (not to its predicted TTFT; a disaggregated route that only decodes there pays no such term):
@@ -124,8 +120,7 @@ def _disaggregated(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
         decoding = p.running > 0 and p.can_decode()
         if queue <= 0.0:
             like = (hit, p.finishes if decoding else (), p.starts if decoding else (),
-                    p.prefill_speed, p.prefill_speed_beside, p.contended(),
-                    snap.peers_busy_until(p))
+                    p.prefill_speed, p.prefill_speed_beside)
             if like in idle_hits:
                 continue
             idle_hits.add(like)
@@ -137,18 +132,18 @@ def _disaggregated(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
         if cost is None:
             cost = costs[cached] = pm.predict(n - cached * bs, cached * bs)
         pull_p = tfix + (pool - hit) * tpb if pool > hit else 0.0
-        wait, work, cost = snap.prefill_timing(p, cost, queue, pull_p)
-        ttft = wait + cost + pull_p
+        cost = p.prefill_seconds(cost, now + queue + pull_p)
+        ttft = queue + cost + pull_p
         rank = ttft  # plus the time its own streams wait for this prefill
         if decoding:
             rank += p.stall_seconds(now + ttft - cost, now + ttft)
         if p.side:
             rank *= prm.side_cost
-        rows.append((rank, hit, p, cached, cost, ttft, work))
+        rows.append((rank, hit, p, cached, cost, ttft))
         if rank * (1.0 + prm.near_min_rel) + prm.near_min_abs_s < band:
             band = rank * (1.0 + prm.near_min_rel) + prm.near_min_abs_s
-    rank_p, _, p, cached, cost, ttft_p, work = max((r for r in rows if r[0] <= band),
-                                                   key=lambda r: (r[1], -r[0]))
+    rank_p, _, p, cached, cost, ttft_p = max((r for r in rows if r[0] <= band),
+                                             key=lambda r: (r[1], -r[0]))
     stall_p = rank_p - ttft_p
     computed = max(loadable - cached, 0)
     save = tfix + computed * tpb if computed else 0.0
@@ -187,7 +182,7 @@ def _disaggregated(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
     _, d, tbt, pull, stall = best
     ttft = ttft_p + save + pull + tbt
     return Route(prefill_id=p.instance_id, decode_id=d.instance_id, cached_blocks=cached,
-                 uncached_tokens=n - cached * bs, prefill_s=work, predicted_ttft_s=ttft,
+                 uncached_tokens=n - cached * bs, prefill_s=cost, predicted_ttft_s=ttft,
                  predicted_tbt_s=tbt, cost_s=ttft + stall_p + stall), earliest_free
 
 
@@ -220,14 +215,15 @@ def _local(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
             cost = costs[cached] = prm.prefill.predict(n - cached * bs, cached * bs)
         pull = prm.transfer_s_fixed + (pool - hit) * prm.transfer_s_per_block \
             if pool > hit else 0.0
-        queue, work, cost = snap.prefill_timing(d, cost, max(d.busy_until - now, 0.0), pull)
+        queue = max(d.busy_until - now, 0.0)
+        cost = d.prefill_seconds(cost, now + queue + pull)
         ttft = queue + pull + cost
         total = ttft + d.stall_seconds(now + ttft - cost, now + ttft)
         if d.side:  # and its tokens come at about half speed: one TBT more each
             total = total * prm.side_cost + req.max_tokens * tbt
         if best is None or total < best.cost_s:
             best = Route(prefill_id=d.instance_id, decode_id=d.instance_id, cached_blocks=cached,
-                         uncached_tokens=n - cached * bs, prefill_s=work, predicted_ttft_s=ttft,
+                         uncached_tokens=n - cached * bs, prefill_s=cost, predicted_ttft_s=ttft,
                          predicted_tbt_s=tbt, cost_s=total)
     return best, earliest_free
 
