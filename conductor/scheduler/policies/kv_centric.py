@@ -14,7 +14,7 @@ measured transfer time per block (`transfer_s_per_block`):
   the last block:
 
       TTFT = queue(p) + pull(p) + prefill(uncached on p) + save(computed blocks)
-             + pull(blocks d lacks) + TBT(d)
+             + pull(blocks d lacks) + wait(d's own prompts still computing) + TBT(d)
 
 prefill(u on x) is the fitted model's time times x's measured speed (`InstanceLoad.speed`:
 its start-up probe, then its own timings, apart for prompts beside streams of its own, for as
@@ -155,7 +155,7 @@ def _disaggregated(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
     arrive = now + ttft_p
     kv_need = n + req.max_tokens
     full_pull = tfix + loadable * tpb if loadable else 0.0
-    best = None  # (score, d, tbt, pull, stall)
+    best = None  # (score, d, tbt, pull, stall, busy)
     earliest_free = float("inf")
     for load_s, room, fin, iid, d in snap.decode_rows():
         if iid == p.instance_id:
@@ -174,13 +174,15 @@ def _disaggregated(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
                 pull = tfix + (loadable - hit) * tpb if hit < loadable else 0.0
         share = contention(p, d)
         stall = share * d.stall_seconds(arrive - cost, arrive) if share and d.running else 0.0
-        score = tbt + pull + stall
+        # its last block waits for the prompts d is computing itself (finish first)
+        busy = max(d.busy_until - (arrive + save + pull), 0.0)
+        score = tbt + pull + stall + busy
         if best is None or score < best[0]:
-            best = (score, d, tbt, pull, stall)
+            best = (score, d, tbt, pull, stall, busy)
     if best is None:
         return None, earliest_free
-    _, d, tbt, pull, stall = best
-    ttft = ttft_p + save + pull + tbt
+    _, d, tbt, pull, stall, busy = best
+    ttft = ttft_p + save + pull + busy + tbt
     return Route(prefill_id=p.instance_id, decode_id=d.instance_id, cached_blocks=cached,
                  uncached_tokens=n - cached * bs, prefill_s=cost, predicted_ttft_s=ttft,
                  predicted_tbt_s=tbt, cost_s=ttft + stall_p + stall), earliest_free
