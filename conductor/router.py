@@ -259,7 +259,7 @@ class Dispatch:
             True if until >= now + r.predicted_ttft_s else None)
         p.add_prefill(self.request_id, n, r.uncached_tokens, r.prefill_s, now)
         finish = now + r.predicted_ttft_s + self.max_tokens * r.predicted_tbt_s
-        d.add_decode(self.request_id, n, finish, start_at=now + r.predicted_ttft_s)
+        d.add_decode(self.request_id, n, finish)
         # What this request will leave behind, until events or replies confirm it: in the
         # prefilling engine's cache from now on (a request queued behind it there finds the
         # prefix computed; its queue is priced); in the pool and a disaggregated route's
@@ -319,7 +319,6 @@ class Dispatch:
         cold prompts took (bench-e2e run 11)."""
         now = time.monotonic()
         self._first_token_at = self._last_token_at = now
-        self.decode.load.decode_started(self.request_id)
         if self._prefill_open:  # prefilled by the decode instance itself, saving it now
             self.router.index.predict(POOL, self.block_hashes, now)
             _, service = self._end_prefill(now)

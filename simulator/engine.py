@@ -126,8 +126,7 @@ class Simulation:
         p.load.add_prefill(job.rid, r.input_length, decision.uncached_tokens,
                            decision.prefill_s, now)
         d.load.add_decode(job.rid, r.input_length, now + decision.predicted_ttft_s
-                          + r.output_length * decision.predicted_tbt_s,
-                          start_at=now + decision.predicted_ttft_s)
+                          + r.output_length * decision.predicted_tbt_s)
         self.index.predict(p.iid, hashes, now)
         if self.spec.use_pool:
             self.index.predict(POOL, hashes, now)
@@ -220,7 +219,6 @@ class Simulation:
             job.generated += 1
             if job.generated == 1:
                 job.first_token_at = now
-                inst.load.decode_started(job.rid)
             job.last_token_at = now
             inst.load.decode_progress(job.rid, 1)
             if job.generated >= job.req.output_length:

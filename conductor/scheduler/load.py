@@ -29,8 +29,6 @@ class _Decode:
     prompt_tokens: int
     generated: int
     finish_at: float
-    start_at: float | None = None
-    """When its first token is predicted (None: streaming already)."""
 
 
 class LoadState:
@@ -51,8 +49,6 @@ class LoadState:
         self.dispatched_total = 0
         self._finishes: list[float] = []
         """the decodes' finish_at, ascending"""
-        self._starts: list[float] = []
-        """the start_at of the decodes not streaming yet, ascending"""
         self._both = 0
         """requests counted in both `_prefills` and `_decodes` (prefill and decode here)"""
         self._unseen = 0
@@ -151,33 +147,17 @@ class LoadState:
 
     # ------------------------------------------------------------------ decode
 
-    def add_decode(self, request_id: str, prompt_tokens: int, finish_at: float,
-                   start_at: float | None = None) -> None:
-        """A decode request dispatched here, predicted to stream from `start_at` (its first
-        token; None: from now on) to `finish_at`."""
+    def add_decode(self, request_id: str, prompt_tokens: int, finish_at: float) -> None:
         if request_id in self._decodes:
             self.end_decode(request_id)
-        self._decodes[request_id] = _Decode(prompt_tokens, 0, finish_at, start_at)
+        self._decodes[request_id] = _Decode(prompt_tokens, 0, finish_at)
         insort(self._finishes, finish_at)
-        if start_at is not None:
-            insort(self._starts, start_at)
         self.kv_tokens += prompt_tokens
         if request_id in self._prefills:
             self._both += 1
         else:
             self.dispatched_total += 1
         self._changed()
-
-    def decode_started(self, request_id: str) -> None:
-        """Its first token is out: it streams from now on."""
-        d = self._decodes.get(request_id)
-        if d is not None and d.start_at is not None:
-            self._unstart(d)
-            self._changed()
-
-    def _unstart(self, d: _Decode) -> None:
-        del self._starts[bisect_left(self._starts, d.start_at)]
-        d.start_at = None
 
     def decode_progress(self, request_id: str, tokens: int) -> None:
         """Tokens generated. Snapshots see them a block at a time per instance (a decision
@@ -197,8 +177,6 @@ class LoadState:
             self.kv_tokens -= d.prompt_tokens + d.generated
             f = self._finishes
             del f[bisect_left(f, d.finish_at)]
-            if d.start_at is not None:
-                self._unstart(d)
             self._both -= request_id in self._prefills
             self._changed()
 
@@ -231,7 +209,6 @@ class LoadState:
             kv_tokens=self.kv_tokens,
             kv_capacity_tokens=self.kv_capacity_tokens,
             finishes=tuple(self._finishes),
-            starts=tuple(self._starts),
             cached_blocks=cached_blocks,
             host=self.host,
             cores=self.cores,

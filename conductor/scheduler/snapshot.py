@@ -7,7 +7,7 @@ clock reading `now`) is in these frozen objects, so a decision can be replayed a
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right, insort
+from bisect import bisect_left, insort
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -52,8 +52,6 @@ class InstanceLoad:
     """Its KV cache size in tokens; 0 means unknown (never full)."""
     finishes: tuple[float, ...] = ()
     """Predicted finish times of its decode requests, ascending (monotonic seconds)."""
-    starts: tuple[float, ...] = ()
-    """Predicted first-token times of those not streaming yet, ascending."""
     cached_blocks: int = 0
     """Blocks the index holds for its local cache."""
     host: str = ""
@@ -77,40 +75,20 @@ class InstanceLoad:
         return beside_speed(self.prefill_speed, self.prefill_speed_beside) if beside \
             else self.prefill_speed
 
-    def stall_seconds(self, start: float, end: float) -> float:
-        """Seconds of its streams within [start, end], summed: how long a prefill computing
-        here then holds them up. Each stream counts from its predicted first token (when not
-        streaming yet) to its predicted finish (when listed). Counted as the number
-        dispatched times the prefill's time, a stream whose prompt was still being computed
-        elsewhere counted whole, and cold prompts queued behind each other on one engine
-        while the other sat idle (bench-e2e run 15, shared_prefix's first burst)."""
-        span = end - start
-        if span <= 0.0 or not self.running:
-            return 0.0
-        unlisted = max(self.running - len(self.finishes), 0)  # finishing after `end`
-        return max(unlisted * span + _within(self.finishes, start, end)
-                   - _within(self.starts, start, end), 0.0)
-
     def prefill_seconds(self, model_s: float, start: float) -> float:
         """A prefill the fitted model puts at `model_s`, computed here from `start`: at its
-        speed beside streams for as long as streams of its own are predicted to decode (from
-        the first's first token, when none streams yet, to the last of `finishes`), at its
-        speed alone before and after. Priced beside streams whole, a long prompt queued behind
-        streams about to end was predicted at 5.2 s and refused (bench-e2e run 13, trace),
-        where it would have taken ~3.5."""
+        speed beside streams for as long as streams of its own are predicted to decode (the
+        last of `finishes`), at its speed alone after. Priced beside streams whole, a long
+        prompt queued behind streams about to end was predicted at 5.2 s and refused (bench-e2e
+        run 13, trace), where it would have taken ~3.5."""
         alone = model_s * self.prefill_speed
-        if not self.finishes:
-            return alone
-        begin = start if self.running > len(self.starts) else max(start, self.starts[0])
-        span = self.finishes[-1] - begin  # the streams', from when the prefill meets them
-        lead = begin - start
-        if span <= 0.0 or alone <= lead:
+        overlap = self.finishes[-1] - start if self.finishes else 0.0
+        if overlap <= 0.0:
             return alone
         beside = model_s * self.speed(True)
-        left = 1.0 - lead / alone  # the share of its work left when the streams begin
-        if left * beside <= span:
-            return lead + left * beside
-        return lead + span + (left - span / beside) * alone  # the rest at the speed alone
+        if overlap >= beside:
+            return beside
+        return alone + overlap * (1.0 - alone / beside)  # the rest at the speed alone
 
     def can_prefill(self) -> bool:
         return self.role in ("prefill", "both")
@@ -258,14 +236,6 @@ def contention(p: InstanceLoad, d: InstanceLoad) -> float:
         return 0.0
     over = p.threads + d.threads - len(p.cores | d.cores)
     return min(max(over / d.threads, 0.0), 1.0)
-
-
-def _within(times: tuple[float, ...], start: float, end: float) -> float:
-    """The sum over `times` (ascending) of each one's time past `start`, at most `end`."""
-    if not times:
-        return 0.0
-    lo, hi = bisect_right(times, start), bisect_left(times, end)
-    return (len(times) - hi) * (end - start) + sum(times[lo:hi]) - (hi - lo) * start
 
 
 def _set(obj: object, **fields: object) -> None:

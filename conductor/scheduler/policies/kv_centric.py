@@ -29,8 +29,7 @@ the lone long streams.
 A prefill also delays the streams decoding where it computes: d's, for a local route; p's own
 (an instance in the `both` role) and, in proportion to `snapshot.contention(p, d)`, d's when
 the two share cores, for a disaggregated one. A route's cost is its TTFT plus those delays
-(the seconds of those streams predicted within the prefill: `InstanceLoad.stall_seconds`);
-the cheapest route that keeps the TTFT and TBT SLOs wins
+(running streams x prefill seconds); the cheapest route that keeps the TTFT and TBT SLOs wins
 (`SchedulerParams.disaggregate` may force one kind). None does: a `Reject` (429 with
 Retry-After) before any work is done.
 
@@ -117,10 +116,10 @@ def _disaggregated(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
     for p in snap.prefill_by_queue():
         queue = p.busy_until - now
         hit = min(local.get(p.instance_id, 0) if local else 0, loadable)
-        decoding = p.running > 0 and p.can_decode()
+        decoding = p.running if p.can_decode() else 0
         if queue <= 0.0:
-            like = (hit, p.finishes if decoding else (), p.starts if decoding else (),
-                    p.prefill_speed, p.prefill_speed_beside)
+            like = (hit, decoding, p.prefill_speed, p.prefill_speed_beside,
+                    p.finishes[-1] if decoding and p.finishes else 0.0)
             if like in idle_hits:
                 continue
             idle_hits.add(like)
@@ -134,9 +133,7 @@ def _disaggregated(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
         pull_p = tfix + (pool - hit) * tpb if pool > hit else 0.0
         cost = p.prefill_seconds(cost, now + queue + pull_p)
         ttft = queue + cost + pull_p
-        rank = ttft  # plus the time its own streams wait for this prefill
-        if decoding:
-            rank += p.stall_seconds(now + ttft - cost, now + ttft)
+        rank = ttft + decoding * cost  # its own streams wait for this prefill
         if p.side:
             rank *= prm.side_cost
         rows.append((rank, hit, p, cached, cost, ttft))
@@ -173,7 +170,7 @@ def _disaggregated(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
             if hit:
                 pull = tfix + (loadable - hit) * tpb if hit < loadable else 0.0
         share = contention(p, d)
-        stall = share * d.stall_seconds(arrive - cost, arrive) if share and d.running else 0.0
+        stall = share * d.running * cost if share and d.running else 0.0
         # its last block waits for the prompts d is computing itself (finish first)
         busy = max(d.busy_until - (arrive + save + pull), 0.0)
         score = tbt + pull + stall + busy
@@ -220,7 +217,7 @@ def _local(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
         queue = max(d.busy_until - now, 0.0)
         cost = d.prefill_seconds(cost, now + queue + pull)
         ttft = queue + pull + cost
-        total = ttft + d.stall_seconds(now + ttft - cost, now + ttft)
+        total = ttft + max(running, 0) * cost
         if d.side:  # and its tokens come at about half speed: one TBT more each
             total = total * prm.side_cost + req.max_tokens * tbt
         if best is None or total < best.cost_s:
