@@ -101,10 +101,8 @@ def model_dir() -> str:
 
 
 @pytest.fixture
-def config_only_model(tmp_path) -> str:
+def config_only_model(tmp_path: Path) -> str:
     """A model directory holding only a config.json: all the router reads of a model."""
-    import json
-
     cfg = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
            "hidden_size": 256, "head_dim": 64, "dtype": "float32"}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
