@@ -84,7 +84,7 @@ def markdown_table(runs: Runs, workload: str) -> str:
     """One row per arm: SLO attainment and goodput at each rate (medians over the repetitions
     with [min-max]) and the capacity with each repetition's in brackets."""
     rates = _rates(runs, workload)
-    top = rates[-1][0] if rates else math.nan
+    top = _top(runs, workload)
     systems = axes(runs)[0]
     rows = ["| system | " + " | ".join(f"{r:g} req/s: attainment, goodput" for r, _ in rates)
             + " | capacity req/s |",
