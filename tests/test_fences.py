@@ -72,12 +72,16 @@ def _finished(side: WorkerSide, finished: set[str]) -> tuple[set[str], set[str]]
 
 
 def test_a_load_given_up_on_holds_its_blocks_until_the_late_write_is_done():
+    """The request keeps a valid block (a local prefix hit, block 0): it recomputes the rest
+    at once, and its blocks stay allocated after it finishes until the write landed."""
     with _late_side(pooled=True) as (_, late, side, layers):
-        side.start_load_kv(PoolConnectorMetadata(loads=[LoadJob("A", ("k",), (1,))]))
+        side.start_load_kv(PoolConnectorMetadata(loads=[LoadJob("A", ("k",), (1,),
+                                                                first_block=1)]))
         received: set[str] = set()
         wait_until(lambda: received.update(_finished(side, set())[1]) or "A" in received, 5)
         result = side.worker_meta().loads["A"]  # what the scheduler side learns
-        assert (result.loaded, result.failed, result.fenced) == (0, 1, True)
+        assert (result.loaded, result.failed, result.fenced, result.valid_blocks) == \
+            (0, 1, True, 1)
         assert 1 in side.invalid_blocks()  # the request recomputes the block meanwhile
         # the request ends; its blocks must not go back to vLLM while the read may land
         assert _finished(side, {"A"})[0] == set()
@@ -87,6 +91,27 @@ def test_a_load_given_up_on_holds_its_blocks_until_the_late_write_is_done():
         wait_until(lambda: float(layers[0][1].min()) == PATTERN, 5)
         sent: set[str] = set()
         wait_until(lambda: sent.update(_finished(side, set())[0]) or "A" in sent, 5)
+
+
+def test_a_load_given_up_on_that_kept_no_valid_block_reports_once_done():
+    """No local prefix hit and the first block given up on: vLLM frees the request's blocks as
+    the load reports (`Scheduler._update_waiting_for_remote_kv`), so the report waits for the
+    late write; the request, not aborted, then learns its blocks are to be recomputed and
+    nothing fences them any more."""
+    with _late_side(pooled=True) as (_, late, side, layers):
+        side.start_load_kv(PoolConnectorMetadata(loads=[LoadJob("A", ("k",), (1,))]))
+        wait_until(lambda: side.fences.held("A"), 5)  # the loader gave up on its read
+        for _ in range(3):
+            assert _finished(side, set()) == (set(), set())
+        assert 1 in side.invalid_blocks()  # vLLM may learn the failed block before the end
+        assert float(layers[0][1].max()) == 0.0
+        late.set()
+        wait_until(lambda: float(layers[0][1].min()) == PATTERN, 5)
+        received: set[str] = set()
+        wait_until(lambda: received.update(_finished(side, set())[1]) or "A" in received, 5)
+        result = side.worker_meta().loads["A"]
+        assert (result.loaded, result.valid_blocks, result.fenced) == (0, 0, False)
+        assert _finished(side, {"A"}) == (set(), set())  # its end needs no report: not fenced
 
 
 def test_a_load_given_up_on_in_the_step_its_request_is_aborted_reports_once_done():

@@ -37,6 +37,9 @@ class LoadJob:
     keys: tuple[str, ...]
     block_ids: tuple[int, ...]
     wait_s: float = 0.0
+    first_block: int = 0
+    """The request's blocks before this job's: its local prefix hits, valid whatever the
+    load does."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,9 @@ class LoadResult:
     fenced: bool = False
     """A read the pool gave up on may still write the request's blocks: they stay allocated
     after it finishes until the worker side reports it (`store.connector.fences`)."""
+    valid_blocks: int = 0
+    """The request's blocks valid once this load reports: its local prefix hits and the
+    blocks loaded. With none, vLLM frees the request's blocks as the load reports."""
 
 
 @dataclass

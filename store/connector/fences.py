@@ -5,10 +5,14 @@ memory vLLM gave to another request. The worker side reports a fenced request fi
 then; each call releases its requests from the thread that ran it.
 
 A late load writes the pool's bytes for the same keys (the same tokens under the same
-namespace) into blocks the request is recomputing: the KV it would have loaded. vLLM frees
-an aborted request's blocks as soon as its load reports (`finished_recving`), so a load given
-up on whose request was aborted before it reported is reported only once its calls are done
-(`store.connector.worker.WorkerSide.get_finished`).
+namespace) into blocks the request is recomputing: the KV it would have loaded. But vLLM
+frees a request's blocks as soon as its load reports (`finished_recving`) when the request
+was aborted, and when it kept no valid block (no local prefix hit and the first block failed:
+`Scheduler._update_waiting_for_remote_kv` frees them "for a local cache hit on retry"). Such
+a load is reported only once its calls are done
+(`store.connector.worker.WorkerSide.get_finished`). Reported at once, a late write could
+land in blocks vLLM had since given to another prompt and prefix-cached: that prompt would
+be answered wrong from its first token by every later request.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ class _Active:
         elapsed = now - self.started
         return LoadResult(loaded=self.done, failed=len(self.job.keys) - self.done,
                           wait_s=max(elapsed - self.load_s, 0.0), load_s=self.load_s,
-                          fenced=bool(self.late))
+                          fenced=bool(self.late), valid_blocks=self.job.first_block + self.done)
 
 
 @dataclass
@@ -69,8 +69,8 @@ class Loader:
         self.fences = fences
         """Where a job whose read was given up on holds its request: reported at once (the
         request recomputes; the scheduler side delays freeing its blocks, `fenced`), except
-        a cancelled one, reported only once its reads are done (vLLM frees a finished
-        request's blocks when its load reports)."""
+        where vLLM frees the blocks as the load reports (a cancelled job, one with no valid
+        block), reported only once its reads are done (`store.connector.fences`)."""
         self.poll_s = poll_s
         self._new: queue.SimpleQueue[LoadJob] = queue.SimpleQueue()
         self._cancel: set[str] = set()
@@ -180,4 +180,4 @@ class Loader:
                 if a.done < len(a.job.keys) and not a.cancelled:
                     log.info("pool_load_partial", request_id=rid, loaded=a.done,
                              wanted=len(a.job.keys), waited_s=round(now - a.started, 4),
-                             fallback="recompute")
+                             fenced=bool(a.late), fallback="recompute")

@@ -164,7 +164,8 @@ class SchedulerSide:
         tracked.loading = count
         self._pending_loads.append(LoadJob(
             request_id=request.request_id, keys=tuple(tracked.keys[first:first + count]),
-            block_ids=tuple(block_ids[first:first + count]), wait_s=tracked.wait_s))
+            block_ids=tuple(block_ids[first:first + count]), wait_s=tracked.wait_s,
+            first_block=first))
 
     # ------------------------------------------------------------------ saves
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import time
 from contextlib import AbstractContextManager
+from dataclasses import replace
 
 import structlog
 import torch
 
-from store.connector.data import PoolConnectorMetadata, PoolWorkerMetadata
+from store.connector.data import LoadResult, PoolConnectorMetadata, PoolWorkerMetadata
 from store.connector.fences import RequestFences
 from store.connector.loader import Loader
 from store.connector.saver import Saver
@@ -39,9 +40,10 @@ class WorkerSide:
         """Requests whose load reported `fenced`: the scheduler side delays freeing them."""
         self._cancelled: set[str] = set()
         """Requests aborted while their load ran whose load has not reported yet."""
-        self._withheld: set[str] = set()
-        """Of those, the ones whose load the pool gave up on: vLLM frees an aborted request's
-        blocks when its load reports, so it reports only once no given-up call can write."""
+        self._withheld: dict[str, LoadResult] = {}
+        """Loads with calls the pool gave up on, reported only once none of those can write:
+        the request's blocks are freed as the load reports (an aborted request's, and one's
+        that kept no valid block: `LoadResult.valid_blocks`)."""
         self._finishing: set[str] = set()
         self._invalid: set[int] = set()
         self._loads: dict = {}
@@ -119,18 +121,21 @@ class WorkerSide:
         received = None
         if self.loader is not None:
             loads, invalid = self.loader.take_finished()
-            if loads:
-                self._loads.update(loads)
-                self._invalid |= invalid
-                for rid, result in loads.items():
-                    if rid in self._cancelled and result.fenced:
-                        self._withheld.add(rid)
-                    elif result.fenced:
+            self._invalid |= invalid
+            for rid, result in loads.items():
+                if result.fenced and (rid in self._cancelled or not result.valid_blocks):
+                    # vLLM frees the blocks as this reports (`Scheduler.finish_requests`,
+                    # `_update_waiting_for_remote_kv`): not while a given-up read can land
+                    self._withheld[rid] = result
+                else:
+                    if result.fenced:
                         self._fenced.add(rid)
-                self._cancelled -= loads.keys()
+                    self._loads[rid] = result
+            self._cancelled -= loads.keys()
             safe = {r for r in self._withheld if not self.fences.held(r)}
-            self._withheld -= safe
-            received = (loads.keys() - self._withheld) | safe or None
+            for rid in safe:  # nothing can write its blocks any more: not fenced now
+                self._loads[rid] = replace(self._withheld.pop(rid), fenced=False)
+            received = (loads.keys() - self._withheld.keys()) | safe or None
         return sent, received
 
     def invalid_blocks(self) -> set[int]:
