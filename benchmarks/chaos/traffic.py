@@ -170,7 +170,20 @@ def _compare(res: Result, ids: list[int], lps: list[float | None], ref: dict,
             return None
     if len(ids) != max_tokens:
         return f"{len(ids)} tokens, asked {max_tokens} (first difference at {n})"
-    return f"tokens differ from the reference from position {n}"
+    return f"tokens differ from the reference from position {n}: {_difference(n, ids, lps, ref)}"
+
+
+def _difference(n: int, ids: list[int], lps: list[float | None], ref: dict) -> str:
+    """What came at position `n` against the reference's best and runner-up there: a logprob
+    near the reference's says float noise, one far off says the KV the engine attended to."""
+    got_lp = lps[n] if n < len(lps) else None
+    out = f"got {ids[n]} (logprob {got_lp if got_lp is None else round(got_lp, 4)})"
+    if n < len(ref["token_ids"]):
+        out += f", reference {ref['token_ids'][n]} ({round(ref['logprobs'][n], 4)})"
+    if "runner_up" in ref and n < len(ref["runner_up"]):
+        alt, alt_lp = ref["runner_up"][n]
+        out += f", its runner-up {alt} ({round(alt_lp, 4)})"
+    return out
 
 
 def run_one(client: httpx.Client, url: str, req: Req, ref: dict, deadline_s: float,

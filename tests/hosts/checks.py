@@ -306,8 +306,9 @@ class Checks:
                 for f in loops:
                     f.result()
         classes = Counter(r.cls for r in results)
-        bad = [f"#{r.index} {r.cls}: {r.detail}" for r in results
-               if r.cls in ("hung", "lost", "wrong")]
+        bad = [f"#{r.index} {r.cls}" + (f" (decode {r.decode_instance})" if r.decode_instance
+                                        else "") + f": {r.detail}"
+               for r in results if r.cls in ("hung", "lost", "wrong")]
         try:
             if bad:
                 raise AssertionError(f"{len(bad)} hung, lost or wrong: {bad[:5]}")
