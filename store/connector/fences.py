@@ -18,6 +18,7 @@ be answered wrong from its first token by every later request.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable
 
 import structlog
@@ -42,10 +43,12 @@ class RequestFences:
             for rid in rids:
                 self._open[rid] = self._open.get(rid, 0) + len(fences)
         log.warning("pool_call_abandoned_blocks_held", requests=rids, calls=len(fences))
+        t0 = time.monotonic()
         for fence in fences:
-            fence.add_done_callback(lambda _: self._release(rids))
+            fence.add_done_callback(lambda _: self._release(rids, t0))
 
-    def _release(self, rids: list[str]) -> None:
+    def _release(self, rids: list[str], t0: float) -> None:
+        freed = []
         with self._cond:
             for rid in rids:
                 left = self._open[rid] - 1
@@ -53,7 +56,11 @@ class RequestFences:
                     self._open[rid] = left
                 else:
                     del self._open[rid]
+                    freed.append(rid)
             self._cond.notify_all()
+        if freed:  # how long a given-up call held them: what a request withheld for it waited
+            log.info("pool_call_abandoned_blocks_released", requests=freed,
+                     held_s=round(time.monotonic() - t0, 3))
 
     def held(self, request_id: str) -> bool:
         with self._cond:
