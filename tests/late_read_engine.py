@@ -5,11 +5,13 @@ that completes once the network is back). Run by tests/test_late_read.py; prints
 
 1. Prompt X is computed once (its blocks saved to the pool), then dropped from the engine's
    prefix cache, so that asking X again loads its blocks from the pool.
-2. Reads are made late; X is asked again together with a longer prompt Y, which the engine
-   prefills in chunks of two blocks meanwhile. X's load is given up on with nothing valid
-   (no local prefix hit); the late read lands `late_s` after.
-3. Y is asked again once the read landed: answered from its prefix-cached blocks, it is
-   wrong if the read overwrote any of them (with X's KV).
+2. Reads are made late. X is asked again together with a longer prompt Y, which the engine
+   prefills in chunks of two blocks; X's load is given up on with nothing valid (no local
+   prefix hit). Y's length is chosen so that, the step after X's blocks are freed, Y needs a
+   new block (for its first generated token) before X asks for blocks again.
+3. As the late read lands (`late_s` after), `landed_in` records who holds each block it
+   writes: the prompt length of the request, None for a free block. Y is asked again after,
+   answered from its prefix cache.
 
 argv: model directory. Settings on stdin as JSON: {"kv_cache_bytes", "late_s"}.
 """
@@ -140,6 +142,7 @@ def _holders(llm) -> Callable:
                 owner[b] = req.num_prompt_tokens
         return [owner.get(block_of[r[0][0]]) for r in ranges]
     return holders
+
 
 if __name__ == "__main__":
     main()
