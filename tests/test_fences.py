@@ -114,6 +114,20 @@ def test_a_load_given_up_on_that_kept_no_valid_block_reports_once_done():
         assert _finished(side, {"A"}) == (set(), set())  # its end needs no report: not fenced
 
 
+def test_a_withheld_load_whose_request_is_then_aborted_reports_once_done_and_once():
+    with _late_side(pooled=True) as (_, late, side, layers):
+        side.start_load_kv(PoolConnectorMetadata(loads=[LoadJob("A", ("k",), (1,))]))
+        wait_until(lambda: side.fences.held("A"), 5)
+        assert _finished(side, set()) == (set(), set())  # withheld: nothing valid
+        side.start_load_kv(PoolConnectorMetadata(cancelled={"A"}))  # then aborted
+        assert _finished(side, {"A"}) == (set(), set())
+        late.set()
+        received: set[str] = set()
+        wait_until(lambda: received.update(_finished(side, set())[1]) or "A" in received, 5)
+        assert _finished(side, set()) == (set(), set())
+        assert not side._cancelled  # nothing left behind for it
+
+
 def test_a_load_given_up_on_in_the_step_its_request_is_aborted_reports_once_done():
     """vLLM frees an aborted request's blocks as soon as its load reports (`finished_recving`),
     whatever the scheduler side says: the report waits for the late write."""

@@ -79,7 +79,8 @@ class WorkerSide:
         """Hand this step's loads to the loader (after the forward pass was launched)."""
         if self.loader is None:
             return
-        self._cancelled |= meta.cancelled
+        # a withheld load reports once safe, aborted or not: no cancel to remember for it
+        self._cancelled |= meta.cancelled - self._withheld.keys()
         self.loader.cancel(meta.cancelled)
         self.loader.submit(meta.loads)
 
