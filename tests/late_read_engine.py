@@ -60,10 +60,11 @@ def _run(model: str, job: dict) -> dict:
             return self._put_now(keys, ranges)
 
         def _get_now(self, keys: Sequence[str], ranges: Sequence[Ranges]) -> list[bool]:
-            if threading.current_thread().name == "late-call" and self.holders is not None:
+            late = threading.current_thread().name == "late-call"  # `InMemoryPool._abandoned`
+            if late and self.holders is not None:
                 self.landed_in = self.holders(ranges)
             ok = super()._get_now(keys, ranges)
-            if threading.current_thread().name == "late-call":
+            if late:
                 self.landed.set()
             return ok
 

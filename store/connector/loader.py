@@ -67,10 +67,10 @@ class Loader:
     def __init__(self, transfer: KVTransfer, poll_s: float, fences: RequestFences) -> None:
         self.transfer = transfer
         self.fences = fences
-        """Where a job whose read was given up on holds its request: reported at once (the
-        request recomputes; the scheduler side delays freeing its blocks, `fenced`), except
-        where vLLM frees the blocks as the load reports (a cancelled job, one with no valid
-        block), reported only once its reads are done (`store.connector.fences`)."""
+        """Where a job whose read was given up on holds its request. The loader reports such a
+        job at once (`fenced`), except a cancelled one, which it retires only once its reads
+        are done; the worker side withholds the report of one that kept no valid block
+        (`store.connector.fences`)."""
         self.poll_s = poll_s
         self._new: queue.SimpleQueue[LoadJob] = queue.SimpleQueue()
         self._cancel: set[str] = set()
