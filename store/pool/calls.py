@@ -1,9 +1,11 @@
 """How a blocking Mooncake call is run: on a few daemon threads (`Workers`), within the bytes
-the client's staging buffer has free (`StagingGate`), and under a deadline renewed by progress
-(`Budget`); `runs` cuts a batch into pieces of bounded size."""
+the client's staging buffer has free (`StagingGate`), under a deadline renewed by progress
+(`Budget`), and accounted until it returns, also when its caller gave up on it (`InFlight`);
+`runs` cuts a batch into pieces of bounded size."""
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -12,6 +14,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def runs(sizes: Sequence[int], limit: int) -> Iterable[tuple[int, int]]:
@@ -103,3 +106,111 @@ class Budget:
 
     def remaining(self) -> float:
         return self.until - time.monotonic()
+
+
+class InFlight:
+    """Store calls submitted and not yet returned (`running`), and those among them whose caller
+    stopped waiting (`stuck`). A stuck call holds its pool unavailable until it returns: the
+    master may be hung, and more calls would only pile up behind it. Except when the call
+    needed only the master and a fresh call to the master has answered since (`watch`): then
+    it is stuck on its own connection, typically a reply lost in a network outage that waits
+    for its sender's TCP retransmission, seconds after the network is back (measured here: 4.3
+    s after a 9 s outage), and it stops holding the pool. It stays in `running`."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self.running: set[object] = set()
+        self.stuck: dict[object, bool] = {}
+        """token -> whether the call needed only the master."""
+        self.closed = False
+        self._watching = False
+        self._probing = 0
+
+    def begin(self) -> object | None:
+        """A token for a call about to run; None once `close`d."""
+        token = object()
+        with self._lock:
+            if self.closed:
+                return None
+            self.running.add(token)
+        return token
+
+    def end(self, token: object) -> None:
+        with self._lock:
+            self.running.discard(token)
+            self.stuck.pop(token, None)
+
+    def close(self) -> None:
+        """No call begins from here on (the caller then waits for `running` to drain)."""
+        with self._lock:
+            self.closed = True
+
+    def give_up(self, token: object, master_only: bool) -> bool:
+        """The caller stopped waiting: True when the call is still running (now stuck)."""
+        with self._lock:
+            if token not in self.running:
+                return False
+            self.stuck[token] = master_only
+            return True
+
+    def holding(self) -> bool:
+        """Some stuck call holds the pool unavailable."""
+        return bool(self.stuck)
+
+    def watch(self, probe: Callable[[], bool], ready: Callable[[], bool]) -> None:
+        """While calls that needed only the master are stuck: when `ready()` (the master looks
+        reachable otherwise), `probe()` (a fresh call to it) on a thread of its own, at most
+        one every `PROBE_SPACING_S` and `PROBES_MAX` at once (a probe can be stuck too); one
+        that answers True releases the calls stuck when it began."""
+        with self._lock:
+            if self._watching:
+                return
+            self._watching = True
+        threading.Thread(target=self._watch, args=(probe, ready), daemon=True,
+                         name="kvpool-watch").start()
+
+    PROBE_INTERVAL_S = 0.25
+    PROBE_SPACING_S = 1.0
+    PROBES_MAX = 3
+
+    def _watch(self, probe: Callable[[], bool], ready: Callable[[], bool]) -> None:
+        last = -self.PROBE_SPACING_S
+        while True:
+            with self._lock:  # with `give_up`'s add: a call stuck after this starts a new watch
+                before = [t for t, master_only in self.stuck.items() if master_only]
+                if not before or self.closed:
+                    self._watching = False
+                    return
+                room = self._probing < self.PROBES_MAX
+            now = time.monotonic()
+            if room and now - last >= self.PROBE_SPACING_S and ready():
+                last = now
+                self._probe(probe, before)
+            time.sleep(self.PROBE_INTERVAL_S)
+
+    def _probe(self, probe: Callable[[], bool], before: list[object]) -> None:
+        token = self.begin()
+        if token is None:
+            return
+        with self._lock:
+            self._probing += 1
+
+        def run() -> None:
+            try:
+                answered = bool(probe())
+            except Exception:
+                answered = False
+            finally:
+                self.end(token)
+                with self._lock:
+                    self._probing -= 1
+            if answered:
+                with self._lock:
+                    released = sum(self.stuck.pop(t, None) is not None for t in before)
+                if released:
+                    log.warning("KV pool %s answers again: %d call(s) to it still stuck on "
+                                "their own connection no longer hold it unavailable",
+                                self.name, released)
+
+        threading.Thread(target=run, daemon=True, name="kvpool-probe").start()

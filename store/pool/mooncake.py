@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from cluster.ports import free_port
 from cluster.resilience import Breaker
-from store.pool.calls import Budget, StagingGate, Workers, runs
+from store.pool.calls import Budget, InFlight, StagingGate, Workers, runs
 from store.pool.config import PoolConfig, probe_master
 from store.pool.outcomes import (
     Outcome,
@@ -76,12 +76,13 @@ def _drain_calls_at_exit() -> None:
     died) usually returns within ~4.3 s: wait for it, a bounded time."""
     deadline = time.monotonic() + _EXIT_DRAIN_S
     for pool in [*_ABANDONED, *_LIVE]:
-        while pool._running and time.monotonic() < deadline:
+        while pool._calls.running and time.monotonic() < deadline:
             time.sleep(0.05)
 
 
 _BREAKER_COOLDOWN_S = 2.0
 _SLOW_MISS_S = 1.0
+_PROBE_KEY = "kvcluster-probe"
 
 
 class MooncakePool:
@@ -96,9 +97,9 @@ class MooncakePool:
     Later calls run on a small thread pool; a method stops waiting after `op_timeout_s` without
     progress and returns misses / `unavailable` (the abandoned call finishes in the background).
     A failed or timed-out call opens a breaker for 2 s, and while the client's own ping says the
-    master is unreachable no call is made at all. When the master comes back at the same
-    address the client reconnects and remounts its segment by itself within ~2 s; the objects
-    are gone (they lived in the master's metadata).
+    master is unreachable, or a call given up on is stuck (`InFlight`), no call is made at all.
+    When the master comes back at the same address the client reconnects and remounts its
+    segment by itself within ~2 s; the objects are gone (they lived in the master's metadata).
     """
 
     def __init__(self, config: PoolConfig, *, io_threads: int = 4) -> None:
@@ -108,8 +109,7 @@ class MooncakePool:
         self._closed = False
         self._breaker = Breaker(_BREAKER_COOLDOWN_S)
         self._lock = threading.Lock()
-        self._running: set[object] = set()  # one token per call submitted and not finished
-        self._hung: set[object] = set()  # those whose caller stopped waiting
+        self._calls = InFlight(config.master_addr)
         # Chunks of a quarter of the local buffer, at most three quarters of it in flight.
         self._chunk_bytes = max(1, config.local_buffer_bytes // 4)
         self._gate = StagingGate(config.local_buffer_bytes * 3 // 4)
@@ -171,7 +171,7 @@ class MooncakePool:
     def _reachable(self) -> bool:
         return (
             self._breaker.allows()
-            and not self._hung
+            and not self._calls.holding()
             and self._store.health_check() == 0
         )
 
@@ -180,9 +180,7 @@ class MooncakePool:
         try:
             return fn(*args)
         finally:
-            with self._lock:
-                self._running.discard(token)
-                self._hung.discard(token)
+            self._calls.end(token)
             if staged:
                 self._gate.release(staged)
 
@@ -192,10 +190,11 @@ class MooncakePool:
         return Budget(self.config.op_timeout_s)
 
     def _call(self, budget: Budget, fn: Callable[..., T], *args: Any, staged: int = 0,
-              fences: Fences | None = None) -> T:
+              fences: Fences | None = None, master_only: bool = False) -> T:
         """One store call staging `staged` bytes through the local buffer, or `_Down` if the
         master is known unreachable or the budget ran out (a call still running then goes to
-        `fences`)."""
+        `fences`, and is stuck: `InFlight`). `master_only`: an RPC to the master alone, no
+        transfer to or from a segment."""
         if self._closed:
             raise PoolError("the KV pool is closed")
         if not self._reachable():
@@ -203,28 +202,33 @@ class MooncakePool:
         reserved = self._gate.reserve(staged, budget.remaining()) if staged else 0
         remaining = budget.remaining()
         if reserved is not None and remaining > 0:
-            token = object()
-            with self._lock:
-                if self._closed:
-                    self._gate.release(reserved)
-                    raise PoolError("the KV pool is closed")
-                self._running.add(token)
+            token = self._calls.begin()
+            if token is None:
+                self._gate.release(reserved)
+                raise PoolError("the KV pool is closed")
             fut = self._workers.submit(self._run, token, reserved, fn, *args)
             try:
                 return fut.result(timeout=remaining)
             except FutureTimeout:
-                with self._lock:
-                    if fut.cancel():  # never started
-                        self._running.discard(token)
-                        self._gate.release(reserved)
-                    elif token in self._running:
-                        self._hung.add(token)  # keeps the breaker open until it returns
-                        if fences is not None:
-                            fences.append(fut)
+                if fut.cancel():  # never started
+                    self._calls.end(token)
+                    self._gate.release(reserved)
+                elif self._calls.give_up(token, master_only) and fences is not None:
+                    fences.append(fut)
         elif reserved:
             self._gate.release(reserved)
         self._trip(f"no progress for {self.config.op_timeout_s}s (in {fn.__name__})")
+        if master_only:
+            self._calls.watch(self._probe, self._probe_ready)
         raise _Down
+
+    def _probe_ready(self) -> bool:
+        return self._breaker.allows() and self._store.health_check() == 0
+
+    def _probe(self) -> bool:
+        """A fresh call to the master: answered? (It does while a call stuck on a lost reply
+        waits for the retransmission: measured.)"""
+        return all(c >= 0 for c in self._store.batch_is_exist([_PROBE_KEY]))
 
     # -- KVPool ---------------------------------------------------------------------------------
 
@@ -234,7 +238,7 @@ class MooncakePool:
         if not keys:
             return []
         try:
-            codes = self._call(budget, self._store.batch_is_exist, keys)
+            codes = self._call(budget, self._store.batch_is_exist, keys, master_only=True)
         except _Down:
             return [False] * len(keys)
         bad = [c for c in codes if c < 0]
@@ -345,7 +349,7 @@ class MooncakePool:
         if not keys:
             return 0
         try:
-            codes = self._call(budget, self._store.batch_remove, keys, force)
+            codes = self._call(budget, self._store.batch_remove, keys, force, master_only=True)
         except _Down:
             return 0
         if any(classify(c) is Outcome.UNAVAILABLE for c in codes):
@@ -415,7 +419,7 @@ class MooncakePool:
             return self.config.store_client_segment if self.exists([key])[0] else None
         budget = self._budget_start()
         try:
-            replicas = self._call(budget, self._store.get_replica_desc, key)
+            replicas = self._call(budget, self._store.get_replica_desc, key, master_only=True)
         except _Down:
             return None
         for replica in replicas:
@@ -462,10 +466,11 @@ class MooncakePool:
             if self._closed:
                 return
             self._closed = True  # no new calls from here on
+            self._calls.close()
         deadline = time.monotonic() + self.config.op_timeout_s
-        while self._running and not self._hung and time.monotonic() < deadline:
+        while self._calls.running and not self._calls.holding() and time.monotonic() < deadline:
             time.sleep(0.02)  # let calls in flight finish
-        if self._running:
+        if self._calls.running:
             why = "calls in flight"
         elif not self._answers():
             why = "master not answering"
