@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from conftest import wait_until
 
 from store.pool.calls import InFlight
 
@@ -14,7 +15,7 @@ WAIT_S = 10.0
 
 
 class _Probe:
-    """A probe that blocks until released, answering what it is told; counts its calls."""
+    """A probe that blocks until `answer`ed: each call is an entry of `answers`, in order."""
 
     def __init__(self) -> None:
         self.started = threading.Semaphore(0)
@@ -24,8 +25,7 @@ class _Probe:
     def __call__(self) -> bool:
         gate = threading.Event()
         with self._lock:
-            entry = (gate, False)
-            self.answers.append(entry)
+            self.answers.append((gate, False))
             i = len(self.answers) - 1
         self.started.release()
         gate.wait(WAIT_S)
@@ -35,15 +35,6 @@ class _Probe:
         gate, _ = self.answers[i]
         self.answers[i] = (gate, value)
         gate.set()
-
-
-def _wait_for(cond, what: str) -> None:
-    done = threading.Event()
-    for _ in range(int(WAIT_S / 0.01)):
-        if cond():
-            return
-        done.wait(0.01)
-    raise AssertionError(f"not {what} within {WAIT_S}s")
 
 
 @pytest.fixture
@@ -60,7 +51,7 @@ def test_a_stuck_master_call_is_released_when_a_fresh_call_answers(fast):
     assert probe.started.acquire(timeout=WAIT_S)
     assert calls.holding()  # not before the probe answers
     probe.answer(0, True)
-    _wait_for(lambda: not calls.holding(), "released")
+    wait_until(lambda: not calls.holding(), WAIT_S, "released")
     assert token in calls.running  # still accounted until it returns
     calls.end(token)
     assert not calls.running
@@ -74,7 +65,7 @@ def test_a_stuck_transfer_holds_the_pool_until_it_returns(fast):
     calls.watch(probe, lambda: True)
     assert probe.started.acquire(timeout=WAIT_S)
     probe.answer(0, True)
-    _wait_for(lambda: lookup not in calls.stuck, "the lookup released")
+    wait_until(lambda: lookup not in calls.stuck, WAIT_S, "the lookup released")
     assert calls.holding() and transfer in calls.stuck
     calls.end(transfer)
     assert not calls.holding()
@@ -92,10 +83,10 @@ def test_a_stuck_probe_does_not_stop_the_next_and_a_late_answer_counts(fast):
     assert probe.started.acquire(timeout=WAIT_S)
     assert calls.holding()
     probe.answer(1, True)  # an earlier probe answering late still releases
-    _wait_for(lambda: not calls.holding(), "released")
+    wait_until(lambda: not calls.holding(), WAIT_S, "released")
     for i in range(2, len(probe.answers)):
         probe.answer(i, False)
-    _wait_for(lambda: calls.running == {token}, "the probes ended")
+    wait_until(lambda: calls.running == {token}, WAIT_S, "the probes ended")
 
 
 def test_a_probe_releases_only_the_calls_stuck_when_it_began(fast):
@@ -107,11 +98,11 @@ def test_a_probe_releases_only_the_calls_stuck_when_it_began(fast):
     second = calls.begin()
     calls.give_up(second, master_only=True)
     probe.answer(0, True)
-    _wait_for(lambda: first not in calls.stuck, "the first released")
+    wait_until(lambda: first not in calls.stuck, WAIT_S, "the first released")
     assert second in calls.stuck
     assert probe.started.acquire(timeout=WAIT_S)  # the watch goes on for the second
     probe.answer(1, True)
-    _wait_for(lambda: not calls.holding(), "the second released")
+    wait_until(lambda: not calls.holding(), WAIT_S, "the second released")
 
 
 def test_no_probe_while_the_master_does_not_look_reachable_and_none_once_closed(fast):

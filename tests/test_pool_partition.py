@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -25,12 +26,13 @@ puts the reply's next copy at 12.6 s, 5.6 s after the return."""
 ANSWER_WITHIN_S = 2.0
 
 
-def _json_lines(p: subprocess.Popen):
-    """The client's JSON lines (Mooncake logs its own lines to stdout too)."""
+def _json_lines(p: subprocess.Popen, stderr: Path):
+    """The client's next JSON line (Mooncake logs its own lines to stdout too)."""
     while True:
         line = p.stdout.readline()
         if not line:
-            raise AssertionError("the client ended without answering")
+            tail = stderr.read_text(errors="replace")[-2000:]
+            raise AssertionError(f"the client ended without answering; its stderr:\n{tail}")
         if line.startswith("{"):
             return json.loads(line)
 
@@ -49,28 +51,31 @@ def hosts():
         assert not left, left
 
 
-def _spawn(host: net.Host, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(["ip", "netns", "exec", host.ns, sys.executable, *args],
-                            cwd=str(ROOT), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+def _spawn(host: net.Host, stderr: Path, *args: str) -> subprocess.Popen:
+    with stderr.open("w") as err:
+        return subprocess.Popen(["ip", "netns", "exec", host.ns, sys.executable, *args],
+                                cwd=str(ROOT), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=err, text=True)
 
 
 def test_the_pool_answers_again_soon_after_a_lost_reply_s_network_comes_back(hosts, tmp_path):
     a, c = hosts
-    master = _spawn(a, "-m", "store.master", "--host", a.addr, "--rpc-port", "50051",
-                    "--http-port", "8080", "--log", str(tmp_path / "master.log"))
+    master = _spawn(a, tmp_path / "master.err", "-m", "store.master", "--host", a.addr,
+                    "--rpc-port", "50051", "--http-port", "8080",
+                    "--log", str(tmp_path / "master.log"))
     client = None
     try:
         assert master.stdout.readline().startswith("KVCLUSTER_POOL_MASTER_ADDR=")
-        client = _spawn(c, "-m", "tests.partition_client", a.addr, c.addr)
-        assert _json_lines(client) == {"ready": True}
+        client_err = tmp_path / "client.err"
+        client = _spawn(c, client_err, "-m", "tests.partition_client", a.addr, c.addr)
+        assert _json_lines(client, client_err) == {"ready": True}
         # Replies to C are dropped (C's side of the bridge sends nothing: a queue of 0), so
         # the lookup reaches the master and its reply is lost; then C's link goes down too.
         net.run("tc", "qdisc", "add", "dev", c.link, "root", "pfifo", "limit", "0")
         t_lost = time.monotonic()
         client.stdin.write("call\n")
         client.stdin.flush()
-        call = _json_lines(client)
+        call = _json_lines(client, client_err)
         assert call["found"] == [False] and not call["healthy"] and call["stuck"] == 1, call
         net.set_link(c, up=False)
         time.sleep(max(0.0, t_lost + OUTAGE_S - time.monotonic()))  # the outage under test
@@ -78,7 +83,7 @@ def test_the_pool_answers_again_soon_after_a_lost_reply_s_network_comes_back(hos
         net.run("tc", "qdisc", "del", "dev", c.link, "root")
         client.stdin.write("healed\n")
         client.stdin.flush()
-        healed = _json_lines(client)
+        healed = _json_lines(client, client_err)
     finally:
         for p in (client, master):
             if p is not None:

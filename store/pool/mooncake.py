@@ -106,7 +106,6 @@ class MooncakePool:
         from mooncake.store import MooncakeDistributedStore  # heavy import, only when used
 
         self.config = config
-        self._closed = False
         self._breaker = Breaker(_BREAKER_COOLDOWN_S)
         self._lock = threading.Lock()
         self._calls = InFlight(config.master_addr)
@@ -145,7 +144,7 @@ class MooncakePool:
             while self._store.health_check() != 0 and time.monotonic() < deadline:
                 time.sleep(0.01)
         if code != 0:
-            self._closed = True
+            self._calls.close()
             self._workers.shutdown()
             self._store.close()  # instant after a failed setup: nothing was mounted
             raise PoolUnavailable(
@@ -156,7 +155,6 @@ class MooncakePool:
     # -- plumbing -------------------------------------------------------------------------------
 
     def _abandon(self) -> None:
-        self._closed = True
         _ABANDONED.append(self)
         # Keep the client past interpreter teardown too, where module globals are cleared.
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._store))
@@ -185,7 +183,7 @@ class MooncakePool:
                 self._gate.release(staged)
 
     def _budget_start(self) -> Budget:
-        if self._closed:
+        if self._calls.closed:
             raise PoolError("the KV pool is closed")
         return Budget(self.config.op_timeout_s)
 
@@ -195,12 +193,13 @@ class MooncakePool:
         master is known unreachable or the budget ran out (a call still running then goes to
         `fences`, and is stuck: `InFlight`). `master_only`: an RPC to the master alone, no
         transfer to or from a segment."""
-        if self._closed:
+        if self._calls.closed:
             raise PoolError("the KV pool is closed")
         if not self._reachable():
             raise _Down
         reserved = self._gate.reserve(staged, budget.remaining()) if staged else 0
         remaining = budget.remaining()
+        stuck = False
         if reserved is not None and remaining > 0:
             token = self._calls.begin()
             if token is None:
@@ -213,12 +212,14 @@ class MooncakePool:
                 if fut.cancel():  # never started
                     self._calls.end(token)
                     self._gate.release(reserved)
-                elif self._calls.give_up(token, master_only) and fences is not None:
-                    fences.append(fut)
+                elif self._calls.give_up(token, master_only):
+                    stuck = True
+                    if fences is not None:
+                        fences.append(fut)
         elif reserved:
             self._gate.release(reserved)
         self._trip(f"no progress for {self.config.op_timeout_s}s (in {fn.__name__})")
-        if master_only:
+        if stuck and master_only:  # after the trip: the first probe waits for its cool-down
             self._calls.watch(self._probe, self._probe_ready)
         raise _Down
 
@@ -453,7 +454,7 @@ class MooncakePool:
         return out
 
     def healthy(self) -> bool:
-        return not self._closed and self._reachable()
+        return not self._calls.closed and self._reachable()
 
     def close(self) -> None:
         """Unmount and release. Mooncake's `close()` holds the GIL ~2 s even when healthy; with
@@ -463,10 +464,9 @@ class MooncakePool:
         Waits for calls in flight (up to `op_timeout_s`), and takes up to `probe_timeout_s` +
         2.5 s more when the master is in trouble."""
         with self._lock:
-            if self._closed:
+            if self._calls.closed:
                 return
-            self._closed = True  # no new calls from here on
-            self._calls.close()
+            self._calls.close()  # no new calls from here on
         deadline = time.monotonic() + self.config.op_timeout_s
         while self._calls.running and not self._calls.holding() and time.monotonic() < deadline:
             time.sleep(0.02)  # let calls in flight finish
