@@ -36,6 +36,7 @@ from benchmarks.machine import StallWatch, cpu_probe_s, describe
 from cluster.ports import free_port
 from cluster.process import IPC_ENV, ManagedProcess, vllm_scratch
 from cluster.signals import stop_on_signals
+from conductor.timeline import STAGES
 from worker import step_log
 from worker.dtype import resolve as resolve_dtype
 from worker.vllm_plugin import CPU_VLLM_ENV
@@ -51,9 +52,7 @@ DATASETS = {
                "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "4",
                "--prefix-repetition-output-len", "32"],
 }
-STAGE_ORDER = ("parse", "route", "prefill", "prefill_send", "prefill_queue", "prefill_compute",
-               "prefill_return", "decode_start", "decode_send", "kv_wait", "kv_load",
-               "decode_queue", "decode_compute", "decode_return", "ttft", "decode")
+STAGE_ORDER = STAGES
 
 
 @dataclass

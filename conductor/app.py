@@ -28,6 +28,7 @@ from cluster.workers import WorkerSpec
 from conductor import body as request_body
 from conductor import openapi
 from conductor.admin import AdminServer
+from conductor.arrival import Arrival, arrived
 from conductor.auth import ApiKeyMiddleware, tenant_salt
 from conductor.chat import ChatTemplate
 from conductor.config import ConductorConfig
@@ -165,7 +166,9 @@ class Conductor:
 
     async def serve(self, request: Request, chat: bool) -> Response:
         parent = Tracing.parent(request.headers) if self.metrics.tracing is not None else None
-        timer = self.metrics.timer("chat" if chat else "completions", parent)
+        timer = self.metrics.timer("chat" if chat else "completions", parent,
+                                   arrived(request.scope))
+        timer.timeline.mark("accepted")
         try:
             if self.in_flight >= self.config.max_in_flight:
                 raise Overloaded(f"the conductor holds {self.in_flight} requests, its limit; "
@@ -224,8 +227,9 @@ class Conductor:
             return _closed()
         if first is not None:
             timer.tokens(len(first.token_ids))
+        timer.hold()  # its timeline is sunk once the stream's last bytes are out
         return SSEResponse(stream(spec, outcome, first, self._observed(deltas, outcome, timer)),
-                           headers=headers)
+                           headers=headers, ended=timer.answered)
 
     async def _collect(self, spec: ResponseSpec, outcome: Outcome,
                        deltas: AsyncIterator[Delta], timer: RequestTimer) -> dict:
@@ -306,15 +310,21 @@ class Conductor:
 class SSEResponse(StreamingResponse):
     """`text/event-stream` whose generator is closed as soon as the response ends, so a
     client that went away aborts the request now rather than when the generator is
-    collected."""
+    collected; then `ended` is called."""
 
     media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], headers: dict[str, str],
+                 ended: Callable[[], None]) -> None:
+        super().__init__(content, headers=headers)
+        self._ended = ended
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()  # type: ignore[union-attr]
+            self._ended()
 
 
 _GONE: Any = object()
@@ -322,7 +332,7 @@ _GONE: Any = object()
 
 async def _sink(timer: RequestTimer) -> None:
     """After the answer went out (a coroutine: Starlette runs a plain function in a thread)."""
-    timer.release()
+    timer.answered()
 
 
 def _closed() -> Response:
@@ -379,6 +389,7 @@ def create_app(config: ConductorConfig,
     app.state.conductor = conductor
     if config.api_keys:
         app.add_middleware(ApiKeyMiddleware, keys=config.api_keys)
+    app.add_middleware(Arrival)  # added last: the outermost, before the key check
 
     @app.exception_handler(ConductorError)
     async def _conductor_error(request: Request, err: ConductorError) -> JSONResponse:

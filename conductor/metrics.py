@@ -103,9 +103,11 @@ class Metrics:
     def migration(self) -> None:
         self.migrations_total.inc()
 
-    def timer(self, endpoint: str, parent: Any = None) -> RequestTimer:
-        """`parent`: the caller's trace context, for the request's span."""
-        return RequestTimer(self, endpoint, parent)
+    def timer(self, endpoint: str, parent: Any = None,
+              arrived: float | None = None) -> RequestTimer:
+        """`parent`: the caller's trace context, for the request's span; `arrived`: when the
+        server first saw the request (wall clock, `conductor.arrival`), else now."""
+        return RequestTimer(self, endpoint, parent, arrived)
 
     def timeline(self, tl: Timeline, status: int | str, parent: Any = None) -> None:
         """A finished request's timeline: the stage histogram, a log line, its spans."""
@@ -126,19 +128,23 @@ class RequestTimer:
     timeline (`conductor.timeline`), finished with it.
 
     `hold()` keeps the timeline's sink (the stage histogram, the log line, the spans: ~0.3 ms)
-    from running at `finish` until `release()`, so that a response can go out first."""
+    from running at `finish` until `release()`, so that a response can go out first; the
+    response marks `answered` when its last bytes are handed to the server, then releases."""
 
     __slots__ = ("_m", "endpoint", "t0", "_last", "done", "on_finish", "timeline", "parent",
                  "_held", "_status")
 
-    def __init__(self, metrics: Metrics, endpoint: str, parent: Any = None) -> None:
+    def __init__(self, metrics: Metrics, endpoint: str, parent: Any = None,
+                 arrived: float | None = None) -> None:
         self._m = metrics
         self.endpoint = endpoint
         self.t0 = time.perf_counter()
+        if arrived is not None:  # the histograms count from the arrival too
+            self.t0 -= max(time.time() - arrived, 0.0)
         self._last = 0.0
         self.done = False
         self.on_finish: Callable[[], None] | None = None
-        self.timeline = Timeline()
+        self.timeline = Timeline(arrived)
         self.parent = parent
         self._held = False
         self._status: int | str | None = None
@@ -177,6 +183,11 @@ class RequestTimer:
     def end(self, status: int | str) -> None:
         """`finish` and sink now, held or not (an error: no response goes out before it)."""
         self.finish(status)
+        self.release()
+
+    def answered(self) -> None:
+        """The response's last bytes went to the server: mark it, and sink the timeline."""
+        self.timeline.mark_once("answered")
         self.release()
 
     def release(self) -> None:

@@ -9,7 +9,9 @@ them (the durations do not depend on it: each is taken on one clock).
 
 The stages (seconds; a stage that did not happen is absent):
 
-- `parse`: arrival to validated, rendered, tokenized and hashed;
+- `accept`: arrival (the ASGI app's first look at the request, `conductor.arrival`) to the
+  endpoint's handler: API-key check, routing, FastAPI;
+- `parse`: from there to validated, rendered, tokenized and hashed;
 - `route`: from there to the policy's choice;
 - `prefill`: the Prefill RPC, sent to reply: `prefill_send` (to the engine's scheduler:
   transport and the worker), the prefill engine's `prefill_queue` (to its forward pass) and
@@ -21,7 +23,9 @@ The stages (seconds; a stage that did not happen is absent):
   `kv_load` (copying blocks from the pool), `decode_queue` (the rest of its wait for a
   forward pass), `decode_compute` (forward pass to the first token), and `decode_return`
   (from there to the chunk's arrival);
-- `ttft`: arrival to the first token leaving the conductor; `decode`: first to last token.
+- `ttft`: arrival to the first token leaving the conductor; `decode`: first to last token;
+- `answer`: last token to the response's last bytes handed to the server (the end of the
+  stream, or the whole JSON answer built and written).
 """
 
 from __future__ import annotations
@@ -31,9 +35,9 @@ from collections.abc import Callable, Mapping
 
 from protos import worker_pb2
 
-STAGES = ("parse", "route", "prefill", "prefill_send", "prefill_queue", "prefill_compute",
-          "prefill_return", "decode_start", "decode_send", "kv_wait", "kv_load", "decode_queue",
-          "decode_compute", "decode_return", "ttft", "decode")
+STAGES = ("accept", "parse", "route", "prefill", "prefill_send", "prefill_queue",
+          "prefill_compute", "prefill_return", "decode_start", "decode_send", "kv_wait", "kv_load",
+          "decode_queue", "decode_compute", "decode_return", "ttft", "decode", "answer")
 
 
 class Timeline:
@@ -73,12 +77,14 @@ class Timeline:
     def stages(self) -> dict[str, float]:
         m = self.marks
         out: dict[str, float] = {}
-        _span(out, "parse", m, "received", "prepared")
+        _span(out, "accept", m, "received", "accepted")
+        _span(out, "parse", m, "accepted" if "accepted" in m else "received", "prepared")
         _span(out, "route", m, "prepared", "routed")
         _span(out, "prefill", m, "prefill_sent", "prefill_done")
         _span(out, "decode_start", m, "decode_sent", "first_chunk")
         _span(out, "ttft", m, "received", "first_token")
         _span(out, "decode", m, "first_token", "last_token")
+        _span(out, "answer", m, "last_token", "answered")
         _engine(out, "prefill", self.prefill, m.get("prefill_sent"), m.get("prefill_done"))
         _engine(out, "decode", self.decode, m.get("decode_sent"), m.get("first_chunk"))
         return out

@@ -79,7 +79,8 @@ class Tracing:
         if str(status) != "200":
             root.set_status(Status(StatusCode.ERROR))
         ctx = trace.set_span_in_context(root)
-        self._child("parse", ctx, m.get("received"), m.get("prepared"))
+        self._child("accept", ctx, m.get("received"), m.get("accepted"))
+        self._child("parse", ctx, m.get("accepted", m.get("received")), m.get("prepared"))
         self._child("route", ctx, m.get("prepared"), m.get("routed"))
         if "prefill_sent" in m:
             span = t.start_span("prefill", context=ctx, kind=SpanKind.CLIENT,

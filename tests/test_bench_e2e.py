@@ -340,3 +340,28 @@ def test_bench_burst_summarises_by_position_and_leaves_failures_out(tmp_path: Pa
     assert math.isnan(_summary(reps, "vllm")["actual_vs_predicted"])
     _plot({"vllm": _summary(reps, "vllm"), "ours": s}, tmp_path / "burst.png")
     assert (tmp_path / "burst.png").stat().st_size > 0
+
+
+def test_the_added_latency_splits_into_conductor_rpc_and_hop(tmp_path: Path) -> None:
+    from benchmarks.e2e import overhead
+
+    log = tmp_path / "conductor.log"
+    line = ("2026-11-28T07:00:00.000000Z [info     ] timeline                       "
+            "accept_ms={a} answer_ms=0.3 decode_ms=0.0 decode_start_ms=14.0 parse_ms=0.5 "
+            "request_id={rid} route_ms=0.25 status=200 stream=False ttft_ms=15.0\n")
+    log.write_text(line.format(a=0.2, rid="cmpl-1") + line.format(a=0.4, rid="cmpl-2")
+                   + line.format(a=9.0, rid="cmpl-other")  # not a probe
+                   + "2026-11-28T07:00:01Z [info     ] routed request_id=cmpl-1\n")
+    probes = {"cmpl-1": (0.0170, 0.0135), "cmpl-2": (0.0172, 0.0135)}
+    got = overhead.split(log, probes)
+    assert got["where_n"] == 2
+    assert got["where_accept_ms"] == pytest.approx(0.3)  # the median of 0.2 and 0.4
+    assert got["where_conductor_ms"] == pytest.approx(15.3 - 14.0)
+    assert got["where_rpc_vs_direct_ms"] == pytest.approx(0.5)
+    assert got["where_hop_ms"] == pytest.approx(17.1 - 15.3)
+    # the three parts add up to the request's added latency (through - direct)
+    assert got["where_sum_ms"] == pytest.approx(17.1 - 13.5)
+    assert "hop 1.80" in overhead.describe(got)
+    # lines from before the stages existed give no split rather than a wrong one
+    log.write_text("2026-11-28T07:00:00Z [info     ] timeline request_id=cmpl-1 ttft_ms=15.0\n")
+    assert overhead.split(log, probes) == {} and overhead.describe({"ms": 2.0}) == ""

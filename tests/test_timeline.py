@@ -66,13 +66,13 @@ def test_a_request_exports_its_spans_under_the_callers_trace(traced):
     # exported once the answer is out
     wait_until(lambda: any(s.name == "request" for s in exporter.get_finished_spans()))
     spans = {s.name: s for s in exporter.get_finished_spans()}
-    assert {"request", "parse", "route", "prefill", "decode", "engine.queue",
+    assert {"request", "accept", "parse", "route", "prefill", "decode", "engine.queue",
             "engine.compute", "kv.hold"} <= set(spans)
     root = spans["request"]
     assert f"{root.context.trace_id:032x}" == trace_id
     assert f"{root.parent.span_id:016x}" == parent
     assert root.attributes["request_id"] == r.headers["x-request-id"]
-    for name in ("parse", "route", "prefill", "decode"):
+    for name in ("accept", "parse", "route", "prefill", "decode"):
         assert spans[name].parent.span_id == root.context.span_id
         assert root.start_time <= spans[name].start_time <= spans[name].end_time <= root.end_time
     assert spans["kv.hold"].parent.span_id == spans["decode"].context.span_id
@@ -83,14 +83,35 @@ def test_without_a_tracer_no_span_and_the_histogram_still_counts(model_dir):
     with LocalConductor(model_dir, knobs=Knobs(engine_times=True),
                         conductor_args=("--disaggregate", "always")) as c:
         assert c.app.state.conductor.metrics.tracing is None  # off unless configured
-        for _ in range(2):
+        for stream in (False, True):
             assert httpx.post(f"{c.url}/v1/completions", timeout=30, json={
-                "prompt": "word " * 80, "max_tokens": 3}).status_code == 200
-        text = httpx.get(f"{c.url}/metrics", timeout=10).text
-    counts = dict(re.findall(r'kvcluster_stage_seconds_count\{stage="(\w+)"\} ([0-9.]+)', text))
-    for stage in ("parse", "route", "prefill", "prefill_compute", "decode_start",
-                  "decode_compute", "kv_wait", "ttft", "decode"):
-        assert float(counts[stage]) == 2.0, (stage, counts)
+                "prompt": "word " * 80, "max_tokens": 3, "stream": stream}).status_code == 200
+
+        def counts() -> dict[str, str]:
+            text = httpx.get(f"{c.url}/metrics", timeout=10).text
+            return dict(re.findall(r'kvcluster_stage_seconds_count\{stage="(\w+)"\} ([0-9.]+)',
+                                   text))
+
+        # a stream's timeline is sunk once its last bytes are out, maybe after the client read
+        wait_until(lambda: float(counts().get("answer", 0)) == 2.0)
+        got = counts()
+    for stage in ("accept", "parse", "route", "prefill", "prefill_compute", "decode_start",
+                  "decode_compute", "kv_wait", "ttft", "decode", "answer"):
+        assert float(got[stage]) == 2.0, (stage, got)
+
+
+def test_the_timeline_starts_at_arrival_and_ends_with_the_answer():
+    tl = Timeline(received=10.0)
+    for name, at in (("accepted", 10.0002), ("prepared", 10.0010), ("routed", 10.0012),
+                     ("first_token", 10.020), ("last_token", 10.050), ("answered", 10.0503)):
+        tl.mark(name, at)
+    st = tl.stages()
+    assert st["accept"] == pytest.approx(0.0002) and st["parse"] == pytest.approx(0.0008)
+    assert st["ttft"] == pytest.approx(0.020) and st["answer"] == pytest.approx(0.0003)
+    # a timeline made without the handler's mark (an error before it) parses from arrival
+    bare = Timeline(received=10.0)
+    bare.mark("prepared", 10.001)
+    assert "accept" not in bare.stages() and bare.stages()["parse"] == pytest.approx(0.001)
 
 
 def test_a_decode_caching_the_prompt_is_not_held_for_the_prefill_beside_it(model_dir):

@@ -29,7 +29,16 @@ from pathlib import Path
 from tqdm import tqdm
 
 from benchmarks import conductor_log
-from benchmarks.e2e import calibration, capacity, client, report, spread, systems, workloads
+from benchmarks.e2e import (
+    calibration,
+    capacity,
+    client,
+    overhead,
+    report,
+    spread,
+    systems,
+    workloads,
+)
 from benchmarks.machine import cpu_probe_s, describe
 from cluster.signals import stop_on_signals
 from tinymodel.builder import ModelSpec, ensure_model
@@ -75,44 +84,6 @@ def _workloads(args: argparse.Namespace, vocab: workloads.Vocab, rep: int,
                              doc_tokens=1024, question_tokens=64, max_tokens=32,
                              rate_rps=rate, think_s=1.0, vocab=vocab),
     ]
-
-
-def _overhead_ms(run: systems.Running, pairs: int = 50) -> dict[str, float]:
-    """Latency of a 1-token request through the system minus straight to an engine (the one
-    that served it, where the system says), the median over pairs sent back to back (the
-    machine's speed drifts between pairs by more than the hop costs): `ms` with a lean client
-    (`systems.LeanHttp`, whose own cost is close to the direct gRPC call's), and `httpx_ms`
-    with httpx through the system (the figure before 2026-11-25: it charged httpx's own
-    ~0.5-1.5 ms to the conductor and not to vllm-router, measured with httpx both ways)."""
-    import httpx
-
-    if run.direct is None:
-        return {}
-    prompt = "The quick brown fox jumps over the lazy dog. " * 4
-    body = {"model": run.model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
-    lean, heavy, direct = [], [], []
-    http = systems.LeanHttp(run.url)
-    try:
-        with httpx.Client(timeout=60) as c:
-            for i in range(pairs + 3):
-                t, request_id = http.post("/v1/completions", body)
-                t0 = time.perf_counter()
-                c.post(f"{run.url}/v1/completions", json=body).raise_for_status()
-                h = time.perf_counter() - t0
-                d = run.direct(prompt, request_id)
-                if i >= 3:  # the first rounds warm every path's caches
-                    lean.append(t)
-                    heavy.append(h)
-                    direct.append(d)
-    finally:
-        http.close()
-
-    def paired(through: list[float]) -> float:
-        return statistics.median(t - d for t, d in zip(through, direct, strict=True)) * 1e3
-
-    return {"ms": paired(lean), "httpx_ms": paired(heavy),
-            "unpaired_ms": (statistics.median(lean) - statistics.median(direct)) * 1e3,
-            "direct_ms": statistics.median(direct) * 1e3}
 
 
 def _prewarm(run: systems.Running, tok, vocab: workloads.Vocab, ns: tuple[int, ...], rep: int,
@@ -237,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
 
     records: list[report.RequestRecord] = []
     runs: dict[tuple[str, str], list[report.Summary]] = {}
-    overhead: dict[str, list[dict[str, float]]] = {}
+    added: dict[str, list[dict[str, float]]] = {}
     prewarm_rows: list[dict] = []
     probes: dict[str, list[float]] = {}
     predictions: dict[tuple[str, str], list[calibration.Prediction]] = {}
@@ -264,10 +235,11 @@ def main(argv: list[str] | None = None) -> int:
                 run.warm_up()
                 if run.direct is not None:  # on the idle system: what the hop itself adds
                     bar.set_description(f"{tag}: overhead")
-                    o = _overhead_ms(run)
-                    overhead.setdefault(name, []).append(o)
+                    o = overhead.measure(run)
+                    added.setdefault(name, []).append(o)
                     tqdm.write(f"{tag}: added latency {o['ms']:.2f} ms ({o['httpx_ms']:.2f} ms "
-                               f"with httpx through it; direct {o['direct_ms']:.1f} ms)")
+                               f"with httpx through it; direct {o['direct_ms']:.1f} ms)"
+                               + overhead.describe(o))
                 for w in wls:
                     bar.set_description(f"{tag}: {w.name}")
                     start = conductor_log.size(log_path)
@@ -301,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.monotonic() - t_start
 
     def median_ms(name: str) -> float:
-        vals = [o["ms"] for o in overhead.get(name, [])]
+        vals = [o["ms"] for o in added.get(name, [])]
         return statistics.median(vals) if vals else float("nan")
 
     even = spread.break_even(prewarm_rows) if prewarm_rows else None
@@ -313,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         "workloads": {w.name: {"description": w.description,
                                "reuse": workloads.reuse_ratio(w, 32)} for w in plan[0]},
         "runs": {f"{s}/{w}": [asdict(v) for v in vs] for (s, w), vs in runs.items()},
-        "overhead_ms": overhead, "prewarm": prewarm_rows, "prewarm_break_even_n": even,
+        "overhead_ms": added, "prewarm": prewarm_rows, "prewarm_break_even_n": even,
         "worst_vs_best_workload": worst_w, "cpu_probe_s": probes,
         "admission": {f"{s}/{w}": [asdict(b) for b in calibration.bins(ps)]
                       for (s, w), ps in predictions.items()},
