@@ -52,7 +52,6 @@ DATASETS = {
                "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "4",
                "--prefix-repetition-output-len", "32"],
 }
-STAGE_ORDER = STAGES
 
 
 @dataclass
@@ -173,9 +172,8 @@ def timeline_stages(log: Path, offset: int) -> dict[str, dict[str, float]]:
     """p50 and mean of every stage over the run's requests: the conductor's `timeline` log
     lines written after `offset` (warm-up requests included)."""
     per: dict[str, list[float]] = {}
-    for _, line in conductor_log.lines(log, offset):
-        event, kv = conductor_log.parse(line)
-        if event != "timeline" or kv.get("status") != "200":
+    for kv in conductor_log.events(log, "timeline", offset):
+        if kv.get("status") != "200":
             continue
         for k, v in kv.items():
             if k.endswith("_ms"):
@@ -257,18 +255,18 @@ def table(results: list[Result]) -> str:
 
 def stage_table(results: list[Result]) -> str:
     """Per stage, the median over repetitions of each one's p50 (ms)."""
-    rows = ["| dataset | arm | " + " | ".join(STAGE_ORDER) + " |",
-            "| --- | --- |" + " ---: |" * len(STAGE_ORDER)]
+    rows = ["| dataset | arm | " + " | ".join(STAGES) + " |",
+            "| --- | --- |" + " ---: |" * len(STAGES)]
     for (arm, ds), rs in sorted(cells(results).items()):
         if any(r.stages for r in rs):
-            rows.append(f"| {ds} | {arm} | " + " | ".join(_stage_p50(rs, s) for s in STAGE_ORDER)
+            rows.append(f"| {ds} | {arm} | " + " | ".join(_stage_p50(rs, s) for s in STAGES)
                         + " |")
         else:
             e = {k: statistics.median(r.engine.get(k, 0.0) for r in rs) * 1e3
                  for k in ("request_queue_time", "request_prefill_time", "time_to_first_token")}
             rows.append(f"| {ds} | {arm} (vLLM's means) | queue {e['request_queue_time']:.1f} "
                         f"| prefill {e['request_prefill_time']:.1f} | TTFT "
-                        f"{e['time_to_first_token']:.1f} |" + " |" * (len(STAGE_ORDER) - 3))
+                        f"{e['time_to_first_token']:.1f} |" + " |" * (len(STAGES) - 3))
     return "\n".join(rows)
 
 

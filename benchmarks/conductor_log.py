@@ -40,3 +40,11 @@ def lines(path: Path, offset: int = 0) -> Iterator[tuple[int, str]]:
         for raw in f:
             yield offset, raw.decode(errors="replace")
             offset += len(raw)
+
+
+def events(path: Path, name: str, offset: int = 0) -> Iterator[dict[str, str]]:
+    """The fields of every `name` line of the log from byte `offset` on."""
+    for _, line in lines(path, offset):
+        event, fields = parse(line)
+        if event == name:
+            yield fields

@@ -72,11 +72,8 @@ def split(log: Path, probes: dict[str | None, tuple[float, float]]) -> dict[str,
     wake-ups between processes. The three add up to the request's added latency
     (`where_sum_ms`: the sum of their medians, beside the paired median `ms`)."""
     per: dict[str, list[float]] = {k: [] for k in WHERE}
-    for _, line in conductor_log.lines(log):
-        if " timeline " not in line and '"timeline"' not in line:
-            continue
-        event, f = conductor_log.parse(line)
-        if event != "timeline" or f.get("request_id") not in probes:
+    for f in conductor_log.events(log, "timeline"):
+        if f.get("request_id") not in probes:
             continue
         try:
             st = {k: float(f[f"{k}_ms"]) for k in ("ttft", "decode_start", "answer")}
