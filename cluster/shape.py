@@ -18,7 +18,9 @@ with every core serves a tiny model's requests faster than two with one core eac
   load of long prompts one engine on one core of two queues them all (`make bench-e2e`'s
   trace: TTFT p50 3 s), and the conductor prices the side engine's tokens a TBT slower each
   (`SchedulerParams.side_cost`), so it gets the prompts the other's queue would hold longer
-  and short answers, the lone long stream the engine with a core of its own.
+  and short answers, the lone long stream the engine with a core of its own. The conductor
+  then runs on the main engine's core, which its compute thread yields while it waits for a
+  step (`Shape.conductor_cpus`).
 
 An explicit shape (`--prefill N --decode N --both N`) gets the cores shared out the same way
 (the serving core kept while there are more cores than engines); engines outnumbering the
@@ -31,7 +33,8 @@ for a whole prefill.
 
 Placed engines keep all their processes on their own cores, and the serving processes are
 started on the rest (`Shape.serving_cpus`), so that nothing floats onto a core where an
-engine computes.
+engine computes: the conductor alone is placed with an engine, by the chosen shape with a side
+engine.
 """
 
 from __future__ import annotations
@@ -200,6 +203,17 @@ class Shape:
     own engine core, which yields to it); later token gaps 5.5-5.7 ms, 3.9-4.3 (3
     repetitions each)."""
 
+    conductor_cpus: str = ""
+    """Where the conductor runs, when not on `serving_cpus`: the chosen shape with a side
+    engine puts it on the main engine's cores. There the engine's compute thread busy-waits
+    for its next step and yields the core (`sched_yield`) to whatever wakes on it, so the
+    conductor finds it free while its request waits on the engine; on the serving core it
+    queued behind the worker front ends, the engine cores and the side engine. Measured on
+    2 cores only (`benchmarks/e2e/overhead.py`, the added latency of a 1-token request,
+    medians of 40 pairs, alternating on one start): 0.83-0.96 ms there against 2.75-3.64 on
+    the serving core; under `make bench-e2e`'s load (docs/benchmarks.md, session 25) token
+    gaps and goodput unchanged beyond the spread. "": `serving_cpus`."""
+
     def count(self, role: str) -> int:
         return sum(e.role == role for e in self.engines)
 
@@ -214,6 +228,8 @@ class Shape:
                            + (" beside the serving processes" if e.side else "")
                            for e in self.engines)
         serving = f"; serving processes on cores {self.serving_cpus}" if self.serving_cpus else ""
+        if self.conductor_cpus:
+            serving += f", the conductor on cores {self.conductor_cpus}"
         return f"{' + '.join(parts)} ({places}{serving}): {self.reason}"
 
 
@@ -264,6 +280,7 @@ def _choose(cores: list[int], gpus: int, prefill: int | None, decode: int | None
                   step_tokens=SIDE_STEP_TOKENS_PER_THREAD * len(serving),
                   step_context=STEP_CONTEXT_TOKENS)
     return replace(placed, engines=(*placed.engines, side),
+                   conductor_cpus=placed.engines[0].cpu_bind,
                    reason=placed.reason + "; and a side one on the serving cores, where the "
                    "policy sends what the other's queue would hold longer")
 

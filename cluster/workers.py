@@ -6,13 +6,15 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cluster import loopback
 from cluster.engine_spec import EngineSpec
+from cluster.instance import cpu_list
 from cluster.ports import free_port
-from cluster.process import ManagedProcess, vllm_scratch
+from cluster.process import ManagedProcess, children_on, vllm_scratch
 from cluster.shape import (
     BACKGROUND_ENV,
     SPIN_ENV,
@@ -60,6 +62,10 @@ class WorkerSpec(EngineSpec):
     machine_cpus: str = ""
     """Where an engine without cores of its own (unplaced: `ResizePool`, tests) computes when
     the worker is started from a process kept to the serving cores; "": where it starts."""
+    serving_cpus: str = ""
+    """Where the worker's own process (its front end) runs (`Shape.serving_cpus`), whoever
+    starts it: the launcher, or the conductor (`ResizePool`), which may run elsewhere
+    (`Shape.conductor_cpus`); "": where its starter runs."""
 
     def save(self, path: Path | str) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=1))
@@ -137,4 +143,5 @@ class WorkerSpec(EngineSpec):
         # the launcher removes its engine's sockets, also when it was killed
         proc = ManagedProcess(instance_id, argv, Path(self.run_dir) / f"{instance_id}.log",
                               env=env, scratch=vllm_scratch(env))
-        return proc.start(), port
+        with children_on(cpu_list(self.serving_cpus)) if self.serving_cpus else nullcontext():
+            return proc.start(), port

@@ -199,6 +199,7 @@ class EmbeddedCluster:
                           pool_store_client_segment=sc.segment_name if sc else "",
                           env=s.worker_env, **s.engine_kwargs(),
                           secret_file=str(self.secret_file), machine_cpus=self._machine_cpus,
+                          serving_cpus=self.spec.shape.serving_cpus if self.spec.shape else "",
                           tls_dir=str(self.tls_dir or ""), step_target_ms=s.step_target_ms)
 
     # -------------------------------------------------------------- start / stop
@@ -246,8 +247,7 @@ class EmbeddedCluster:
         n = self._counter.get(role, 0)
         self._counter[role] = n + 1
         instance_id = f"{role}-{n}"
-        with children_on(self._serving_cpus()):
-            proc, port = self.worker_spec().start(role, instance_id, placement=engine)
+        proc, port = self.worker_spec().start(role, instance_id, placement=engine)
         wp = WorkerProcess(instance_id, role, port, proc, engine)
         self.workers[instance_id] = wp
         log.info("worker_started", instance_id=instance_id, pid=proc.pid, port=port)
@@ -285,8 +285,10 @@ class EmbeddedCluster:
                      "--embedded-workers", str(spec_file)]
             env["KVCLUSTER_CONDUCTOR_ADMIN_TOKEN_FILE"] = str(self.token_file)
         argv += list(s.conductor_args)
-        self.conductor = ManagedProcess("conductor", argv, self.run_dir / "conductor.log",
-                                        env=env).start()
+        assert s.shape is not None
+        with children_on(cpu_list(s.shape.conductor_cpus) or self._serving_cpus()):
+            self.conductor = ManagedProcess("conductor", argv, self.run_dir / "conductor.log",
+                                            env=env).start()
         return self.conductor
 
     def wait_ready(self, timeout: float = 240.0) -> None:

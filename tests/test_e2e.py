@@ -250,7 +250,7 @@ def test_engines_keep_to_their_cores_and_a_background_one_runs_at_sched_idle(clu
     too or, for an engine with cores of its own, on the serving cores
     (`Engine.engine_core_cpus`), at SCHED_IDLE when it is a background engine (the prefill
     engine here, on 2 cores) but for their pool I/O threads; the worker's front end and the
-    conductor on the serving cores at SCHED_OTHER."""
+    conductor on the serving cores (or `Shape.conductor_cpus`) at SCHED_OTHER."""
     shape = cluster.spec.shape
     serving = cpu_list(shape.serving_cpus) if shape.serving_cpus else None
     for wp in cluster.workers.values():
@@ -274,8 +274,9 @@ def test_engines_keep_to_their_cores_and_a_background_one_runs_at_sched_idle(clu
             # (Mooncake's transfer threads in the model worker set their own affinity)
             home = scheduler if p.name() == "VLLM::EngineCore" else own
             assert os.sched_getaffinity(p.pid) <= home, (wp.instance_id, p.name())
-    if serving:
-        assert _threads(cluster.conductor.pid, os.sched_getaffinity) == {serving}
+    if serving:  # the conductor with them, unless the shape places it with an engine
+        conductor = cpu_list(shape.conductor_cpus) if shape.conductor_cpus else serving
+        assert _threads(cluster.conductor.pid, os.sched_getaffinity) == {conductor}
     if os.cpu_count() == 2:  # this machine: Mooncake's shape leaves no core to the serving
         assert serving == {0}
         assert [(wp.role, wp.engine.background) for wp in cluster.workers.values()

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from stat import S_ISSOCK
 
@@ -69,6 +70,34 @@ def _sockets(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if S_ISSOCK(p.lstat().st_mode)]
 
 
+def _placed_as_the_shape_says(launcher: int) -> None:
+    """The conductor on `Shape.conductor_cpus` (else the serving cores), every worker's front
+    end, the replaced one too, on `Shape.serving_cpus` (none given: wherever)."""
+    import psutil
+
+    from cluster.instance import cpu_list
+    from cluster.shape import choose, machine_cores
+
+    plan = choose(machine_cores())
+    if not plan.serving_cpus:
+        return
+    serving = cpu_list(plan.serving_cpus)
+    placed: dict[str, list[frozenset[int]]] = {"front": [], "conductor": []}
+    for p in psutil.Process(launcher).children(recursive=True):
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE or p.name().startswith("VLLM::"):
+                continue
+            argv = set(p.cmdline())
+            kind = "front" if {"prefill_worker", "decode_worker"} & argv else (
+                "conductor" if "conductor" in argv else "")
+            if kind:
+                placed[kind].append(frozenset(p.cpu_affinity()))
+        except psutil.Error:  # gone meanwhile
+            continue
+    assert placed["front"] == [serving] * len(plan.engines)
+    assert placed["conductor"] == [cpu_list(plan.conductor_cpus) or serving]
+
+
 @pytest.fixture
 def short_tmp():
     """A temporary directory for the cluster's processes: vLLM makes its socket files there,
@@ -123,6 +152,7 @@ def test_launcher_serves_restarts_a_dead_engine_and_ctrl_c_leaves_nothing(model_
         assert _complete(port).status_code == 200
         assert _complete(port).json()["choices"][0]["text"] == text
         assert proc.poll() is None
+        _placed_as_the_shape_says(proc.pid)
 
         seen = _descendants(proc.pid)
         assert len(seen) >= 4  # etcd, master, two workers, conductor (and engine cores)
@@ -220,6 +250,35 @@ def test_children_started_on_cores_run_there_and_the_rest_where_the_parent_runs(
     finally:
         pinned.kill()
         free.kill()
+
+
+def test_a_worker_runs_on_the_serving_cores_whoever_starts_it(tmp_path):
+    """`WorkerSpec.serving_cpus`: a worker's own process goes there also when its starter runs
+    elsewhere (the conductor, on the main engine's cores in the chosen shape, starting one
+    for `ResizePool`); without it, where its starter runs."""
+    from cluster.process import children_on
+    from cluster.workers import WorkerSpec
+
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) < 2:
+        pytest.skip("one core: nothing to tell apart")
+    stub = tmp_path / "python"  # stands in for the worker's interpreter: no engine needed
+    stub.write_text("#!/bin/sh\nexec sleep 30\n")
+    stub.chmod(0o755)
+    spec = WorkerSpec(model=str(tmp_path), etcd="127.0.0.1:1", pool_master="127.0.0.1:1",
+                      pool_metadata="http://127.0.0.1:1/metadata", run_dir=str(tmp_path),
+                      python=str(stub))
+    serving, elsewhere = frozenset(mine[:1]), frozenset(mine[1:])
+    started = []
+    try:
+        with children_on(elsewhere):
+            started.append(replace(spec, serving_cpus=str(mine[0])).start("prefill", "p-0")[0])
+            started.append(spec.start("decode", "d-0")[0])
+        assert os.sched_getaffinity(started[0].pid) == serving
+        assert os.sched_getaffinity(started[1].pid) == elsewhere
+    finally:
+        for p in started:
+            p.kill()
 
 
 def test_a_childs_scratch_directory_goes_once_it_is_reaped(tmp_path):
