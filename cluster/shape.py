@@ -210,11 +210,11 @@ class Shape:
     conductor finds it free while its request waits on the engine; on the serving core it
     queued behind the worker front ends, the engine cores and the side engine. Measured on
     2 cores only (`benchmarks/e2e/overhead.py`, the added latency of a 1-token request,
-    medians of 40 pairs, alternating on one start): 0.83-0.96 ms there (one round 2.66) against 2.75-3.64 on
-    the serving core; under `make bench-e2e`'s load (docs/benchmarks.md, session 25) token
-    gaps and goodput unchanged beyond the spread; under `make bench-serve`'s 4 requests/s, first
-    tokens 1.7-5 ms sooner and token gaps 0.1-0.5 ms longer (its per-token work now beside
-    the engine's), one run each. "": `serving_cpus`."""
+    medians of 40 pairs, alternating on one start): 0.83-0.96 ms there (one round 2.66)
+    against 2.75-3.64 on the serving core. Under `make bench-e2e`'s load (docs/benchmarks.md,
+    session 25) token gaps and goodput unchanged beyond the spread; under `make
+    bench-serve`'s 4 requests/s, first tokens 1.7-5 ms sooner and token gaps 0.1-0.5 ms
+    longer (its per-token work now beside the engine's), one run each. "": `serving_cpus`."""
 
     def count(self, role: str) -> int:
         return sum(e.role == role for e in self.engines)
