@@ -216,6 +216,12 @@ class Shape:
     bench-serve`'s 4 requests/s, first tokens 1.7-5 ms sooner and token gaps 0.1-0.5 ms
     longer (its per-token work now beside the engine's), one run each. "": `serving_cpus`."""
 
+    @property
+    def conductor_home(self) -> str:
+        """The cores the conductor is started on: `conductor_cpus`, else `serving_cpus` ("":
+        wherever its starter runs)."""
+        return self.conductor_cpus or self.serving_cpus
+
     def count(self, role: str) -> int:
         return sum(e.role == role for e in self.engines)
 

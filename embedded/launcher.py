@@ -286,7 +286,7 @@ class EmbeddedCluster:
             env["KVCLUSTER_CONDUCTOR_ADMIN_TOKEN_FILE"] = str(self.token_file)
         argv += list(s.conductor_args)
         assert s.shape is not None
-        with children_on(cpu_list(s.shape.conductor_cpus) or self._serving_cpus()):
+        with children_on(cpu_list(s.shape.conductor_home)):
             self.conductor = ManagedProcess("conductor", argv, self.run_dir / "conductor.log",
                                             env=env).start()
         return self.conductor

@@ -275,8 +275,8 @@ def test_engines_keep_to_their_cores_and_a_background_one_runs_at_sched_idle(clu
             home = scheduler if p.name() == "VLLM::EngineCore" else own
             assert os.sched_getaffinity(p.pid) <= home, (wp.instance_id, p.name())
     if serving:  # the conductor with them, unless the shape places it with an engine
-        conductor = cpu_list(shape.conductor_cpus) if shape.conductor_cpus else serving
-        assert _threads(cluster.conductor.pid, os.sched_getaffinity) == {conductor}
+        assert _threads(cluster.conductor.pid, os.sched_getaffinity) == {
+            cpu_list(shape.conductor_home)}
     if os.cpu_count() == 2:  # this machine: Mooncake's shape leaves no core to the serving
         assert serving == {0}
         assert [(wp.role, wp.engine.background) for wp in cluster.workers.values()

@@ -95,7 +95,7 @@ def _placed_as_the_shape_says(launcher: int) -> None:
         except psutil.Error:  # gone meanwhile
             continue
     assert placed["front"] == [serving] * len(plan.engines)
-    assert placed["conductor"] == [cpu_list(plan.conductor_cpus) or serving]
+    assert placed["conductor"] == [cpu_list(plan.conductor_home)]
 
 
 @pytest.fixture

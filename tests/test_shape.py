@@ -23,7 +23,8 @@ def test_two_cores_keep_one_for_serving_bind_an_engine_to_the_other_and_a_side_o
     assert "1 for the serving processes" in s.reason and "serving cores" in s.reason
     assert not any(e.busy_wait or e.background for e in s.engines)
     assert s.serving_cpus == "0"  # the serving processes are started there, beside the side one
-    assert s.conductor_cpus == "1"  # but the conductor, on the main engine's core it yields
+    assert s.conductor_cpus == s.conductor_home == "1"  # but the conductor, on the main
+    # engine's core it yields
     assert "the conductor on cores 1" in s.describe()
 
 
@@ -59,7 +60,7 @@ def test_a_prefill_engine_on_the_serving_cores_computes_in_the_background():
                                                             ("decode", False)]
     assert "background" in pd.describe()
     assert pd.serving_cpus == "0"  # with the background prefill, not the decode's core
-    assert pd.conductor_cpus == ""  # the conductor too
+    assert pd.conductor_cpus == "" and pd.conductor_home == "0"  # the conductor too
     spare = choose([0, 1, 2], prefill=1, decode=1)  # core 0 kept for the serving processes
     assert [(e.cpu_bind, e.background) for e in spare.engines] == [("1", False), ("2", False)]
     assert spare.serving_cpus == "0"
