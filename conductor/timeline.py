@@ -74,11 +74,18 @@ class Timeline:
         else:
             self.decode = times
 
+    @property
+    def parse_start(self) -> float:
+        """Where `parse` starts: the handler's first look (`accepted`), else the arrival (a
+        request that never passed through the ASGI arrival mark)."""
+        return self.marks.get("accepted", self.marks["received"])
+
     def stages(self) -> dict[str, float]:
         m = self.marks
         out: dict[str, float] = {}
         _span(out, "accept", m, "received", "accepted")
-        _span(out, "parse", m, "accepted" if "accepted" in m else "received", "prepared")
+        if "prepared" in m:
+            out["parse"] = max(m["prepared"] - self.parse_start, 0.0)
         _span(out, "route", m, "prepared", "routed")
         _span(out, "prefill", m, "prefill_sent", "prefill_done")
         _span(out, "decode_start", m, "decode_sent", "first_chunk")

@@ -153,3 +153,20 @@ def test_the_answer_does_not_wait_for_the_decode_stream_to_end(model_dir):
         end.set()
         wait_until(lambda: decode.counts.running == 0)
         assert decode.counts.aborted == 0
+
+
+def test_the_parse_span_starts_where_the_parse_stage_does():
+    exporter = InMemorySpanExporter()
+    tracing = Tracing(SimpleSpanProcessor(exporter))
+    for marks, start in (({"accepted": 10.0002, "prepared": 10.001}, 10.0002),
+                         ({"prepared": 10.001}, 10.0)):  # no handler mark: from arrival
+        tl = Timeline(received=10.0)
+        for name, at in marks.items():
+            tl.mark(name, at)
+        exporter.clear()
+        tracing.export(tl, 200)
+        span = next(s for s in exporter.get_finished_spans() if s.name == "parse")
+        assert span.start_time == int(start * 1e9) and span.end_time == int(10.001 * 1e9)
+        assert tl.parse_start == start
+        assert tl.stages()["parse"] == pytest.approx(10.001 - start)
+    tracing.shutdown()
