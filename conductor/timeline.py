@@ -77,7 +77,7 @@ class Timeline:
     @property
     def parse_start(self) -> float:
         """Where `parse` starts: the handler's first look (`accepted`), else the arrival (a
-        request that never passed through the ASGI arrival mark)."""
+        request that failed before its handler marked it)."""
         return self.marks.get("accepted", self.marks["received"])
 
     def stages(self) -> dict[str, float]:
