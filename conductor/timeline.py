@@ -75,17 +75,16 @@ class Timeline:
             self.decode = times
 
     @property
-    def parse_start(self) -> float:
-        """Where `parse` starts: the handler's first look (`accepted`), else the arrival (a
-        request that failed before its handler marked it)."""
-        return self.marks.get("accepted", self.marks["received"])
+    def parse_from(self) -> str:
+        """The mark `parse` starts at: the handler's first look (`accepted`), else the arrival
+        (`received`: a request that failed before its handler marked it)."""
+        return "accepted" if "accepted" in self.marks else "received"
 
     def stages(self) -> dict[str, float]:
         m = self.marks
         out: dict[str, float] = {}
         _span(out, "accept", m, "received", "accepted")
-        if "prepared" in m:
-            out["parse"] = max(m["prepared"] - self.parse_start, 0.0)
+        _span(out, "parse", m, self.parse_from, "prepared")
         _span(out, "route", m, "prepared", "routed")
         _span(out, "prefill", m, "prefill_sent", "prefill_done")
         _span(out, "decode_start", m, "decode_sent", "first_chunk")

@@ -80,7 +80,7 @@ class Tracing:
             root.set_status(Status(StatusCode.ERROR))
         ctx = trace.set_span_in_context(root)
         self._child("accept", ctx, m.get("received"), m.get("accepted"))
-        self._child("parse", ctx, tl.parse_start, m.get("prepared"))
+        self._child("parse", ctx, m.get(tl.parse_from), m.get("prepared"))
         self._child("route", ctx, m.get("prepared"), m.get("routed"))
         if "prefill_sent" in m:
             span = t.start_span("prefill", context=ctx, kind=SpanKind.CLIENT,

@@ -23,8 +23,8 @@ def test_two_cores_keep_one_for_serving_bind_an_engine_to_the_other_and_a_side_o
     assert "1 for the serving processes" in s.reason and "serving cores" in s.reason
     assert not any(e.busy_wait or e.background for e in s.engines)
     assert s.serving_cpus == "0"  # the serving processes are started there, beside the side one
-    assert s.conductor_cpus == s.conductor_home == "1"  # but the conductor, on the main
-    # engine's core it yields
+    # but the conductor, on the main engine's core it yields
+    assert s.conductor_cpus == s.conductor_home == "1"
     assert "the conductor on cores 1" in s.describe()
 
 

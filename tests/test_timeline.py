@@ -167,6 +167,6 @@ def test_the_parse_span_starts_where_the_parse_stage_does():
         tracing.export(tl, 200)
         span = next(s for s in exporter.get_finished_spans() if s.name == "parse")
         assert span.start_time == int(start * 1e9) and span.end_time == int(10.001 * 1e9)
-        assert tl.parse_start == start
+        assert tl.marks[tl.parse_from] == start
         assert tl.stages()["parse"] == pytest.approx(10.001 - start)
     tracing.shutdown()
