@@ -1,7 +1,8 @@
 """The plot of this A/B: every lone cold prompt's 2,048-token prefill step by wall-clock time,
-per arm (python plot.py; reads steps/<tag>/steps-*.txt, writes steps.png)."""
+per arm (.venv/bin/python plot.py; reads steps/<tag>/steps-*.txt, writes steps.png)."""
 import datetime
 import glob
+import sys
 import time
 from pathlib import Path
 
@@ -9,6 +10,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[4]))  # the checkout
+from worker.step_log import read
 
 HERE = Path(__file__).parent
 # step logs are on the monotonic clock: wall = monotonic + this run's offset (written below)
@@ -22,13 +26,9 @@ seen = set()
 for d in sorted(glob.glob(str(HERE / "steps" / "*"))):
     tag = Path(d).name
     arm = TAGS.get(tag, tag.rsplit("_", 1)[0])
-    xs, ys = [], []
-    for f in glob.glob(f"{d}/steps-*.txt"):
-        for line in open(f):
-            a, b, n, _ = line.split()
-            if n == "2048":
-                xs.append(datetime.datetime.utcfromtimestamp(float(a) + OFFSET))
-                ys.append((float(b) - float(a)) * 1e3)
+    big = [s for s in read(d) if s.tokens == 2048]
+    xs = [datetime.datetime.utcfromtimestamp(s.start + OFFSET) for s in big]
+    ys = [s.ms for s in big]
     label, color = ARMS[arm]
     ax.scatter(xs, ys, s=14, color=color, label=None if arm in seen else label)
     seen.add(arm)

@@ -7,16 +7,13 @@ for r in $(seq 1 "$1"); do for A in $2; do
   T=${A}_$r; rm -rf "$OUT/rd_$T" "$OUT/steps_$T"; mkdir -p "$OUT/steps_$T"
   KVCLUSTER_STEP_LOG="$OUT/steps_$T" timeout 900 .venv/bin/python \
     docs/e2e/ab/2026-11-28-lone-cold/cold.py "$A" "$OUT/rd_$T" 10 > "$OUT/$T.log" 2>&1
-  python3 - "$OUT" "$T" <<'PY'
-import glob, sys, statistics
+  .venv/bin/python - "$OUT" "$T" <<'PY'
+import statistics, sys
+from worker.step_log import read
 out, T = sys.argv[1], sys.argv[2]
-big, tail = [], []
-for f in glob.glob(f"{out}/steps_{T}/*"):
-    for line in open(f):
-        a, b, n, _ = line.split()
-        ms = (float(b) - float(a)) * 1000
-        if n == "2048": big.append(ms)
-        if n == "202": tail.append(ms)
+steps = read(f"{out}/steps_{T}")
+big = [s.ms for s in steps if s.tokens == 2048]
+tail = [s.ms for s in steps if s.tokens == 202]
 ttft = [float(x.split()[2]) for x in open(f"{out}/{T}.log") if x.startswith("cold ")]
 print(T, "2048-step med %.0f [%.0f-%.0f] n=%d" % (statistics.median(big), min(big), max(big), len(big)),
       "| 202-step med %.0f" % statistics.median(tail),
