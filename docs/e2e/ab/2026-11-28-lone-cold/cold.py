@@ -20,10 +20,8 @@ from tinymodel.builder import ensure_model
 arm, rd, n = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
 rd.mkdir(parents=True, exist_ok=True)
 e = systems.Engines(model=str(ensure_model(BENCH_MODEL)))
-if arm == "serve1":
-    p, url = systems._vllm_serve("serve1", e, rd, e.kv_cache_bytes * 3, None, 1)
-    systems._wait_http(f"{url}/health", [p], 600, "serve1")
-    run = systems.Running("serve1", url, e.served_name, lambda: systems._stop_all([p]))
+if arm == "serve1":  # bench-e2e's colocated server, on one thread
+    run = systems.colocated(dataclasses.replace(e, cores=1), rd)
 elif arm == "kv_tcp":
     run = systems.start("kv_centric", dataclasses.replace(e, pool_shm=False), rd, 10.0, 1.0)
 else:
