@@ -11,7 +11,9 @@ repetition of every arm, then the next, each starting with another arm) so that 
 drift hits all of them alike. Per arm and repetition also the added latency of the system (a
 1-token request through it vs. straight to an engine), and on kv_centric the field note's
 background-prewarm experiment. Results: JSON, a markdown table with spreads and PNG plots with
-error bars in --out; the last line is the summary (benchmarks/e2e/spread.py).
+error bars in --out, and for our arms how right admission was (calibration.py) and each run's
+slowest first token with the conductor's timeline of it (slowest.py); the last line is the
+summary (benchmarks/e2e/spread.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from benchmarks.e2e import (
     client,
     overhead,
     report,
+    slowest,
     spread,
     systems,
     workloads,
@@ -213,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     probes: dict[str, list[float]] = {}
     predictions: dict[tuple[str, str], list[calibration.Prediction]] = {}
     shapes: dict[str, str] = {}
+    slow: list[slowest.Slowest] = []
     total = len(names) * sum(len(w.requests) for wls in plan for w in wls)
     bar = tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
     t_start = time.monotonic()
@@ -225,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             probes.setdefault(name, []).append(cpu_probe_s())  # nothing of ours running
             t0 = time.monotonic()
             spans: dict[str, tuple[int, int]] = {}
+            sent: dict[str, list[report.RequestRecord]] = {}
             run = systems.start(name, engines, run_root / f"{name}-{rep}", TTFT_SLO_S, TBT_SLO_S)
             shapes[name] = run.extra.get("shape", "")
             tqdm.write(f"{tag}: started in {time.monotonic() - t0:.0f}s at {run.url} (cpu probe "
@@ -243,10 +248,14 @@ def main(argv: list[str] | None = None) -> int:
                 for w in wls:
                     bar.set_description(f"{tag}: {w.name}")
                     start = conductor_log.size(log_path)
+                    # ids our conductor logs, to find the slowest requests' timelines
+                    ids = f"{name}.{rep}.{w.name}." if log_path is not None else ""
                     recs, wall = asyncio.run(client.run(run.url, run.model, name, w.name,
                                                         w.requests, prompts,
-                                                        on_done=lambda _r: bar.update()))
+                                                        on_done=lambda _r: bar.update(),
+                                                        id_prefix=ids))
                     records += recs
+                    sent[w.name] = recs
                     spans[w.name] = (start, conductor_log.size(log_path))
                     s = report.summarize(recs, TTFT_SLO_S, TBT_SLO_S, wall)
                     runs.setdefault((name, w.name), []).append(s)
@@ -269,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
                 if log_path is not None and log_path.exists():  # our arms: admission
                     for wname, preds in calibration.read_spans(log_path, spans).items():
                         predictions.setdefault((name, wname), []).extend(preds)
+                    timelines = slowest.read(log_path)
+                    slow += [x for wname, recs in sent.items()
+                             if (x := slowest.pick(name, wname, rep, recs, timelines))]
     bar.close()
     elapsed = time.monotonic() - t_start
 
@@ -289,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         "worst_vs_best_workload": worst_w, "cpu_probe_s": probes,
         "admission": {f"{s}/{w}": [asdict(b) for b in calibration.bins(ps)]
                       for (s, w), ps in predictions.items()},
+        "slowest": [x.as_json() for x in slow],
         "records": [asdict(r) for r in records],
     }
     if rates:
@@ -300,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "table.md").write_text(table + "\n")
     admission = calibration.markdown(predictions)
     (out / "admission.md").write_text(admission + "\n")
+    slowest_table = slowest.markdown(slow)
+    (out / "slowest.md").write_text(slowest_table + "\n")
     spread.plot(runs, out / "e2e.png")
     for w in plan[0]:
         report.plot_cdf([r for r in records if r.workload == w.name],
@@ -308,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     print("admission: predicted TTFT against actual, our arms' conductor logs "
           "(benchmarks/e2e/calibration.py)")
     print(admission)
+    print("slowest first token of each run through our arms, from the conductor's timeline "
+          "(benchmarks/e2e/slowest.py)")
+    print(slowest_table)
     print(f"{args.reps} repetitions, {elapsed / 60:.1f} minutes; * marks a goodput difference "
           f"beyond the spread (ranges that do not overlap); worst_vs_best on {worst_w}")
     if prewarm_rows:

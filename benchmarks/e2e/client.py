@@ -24,21 +24,24 @@ REQUEST_TIMEOUT_S = 300.0
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, system: str, workload: str,
                req: BenchRequest, prompt: str, t0: float,
-               answer: list[str] | None = None) -> RequestRecord:
-    """One request, sent at its arrival time (now, for a follow-up turn); the text it
-    generated is appended to `answer`."""
+               answer: list[str] | None = None, id_prefix: str = "") -> RequestRecord:
+    """One request, sent at its arrival time (now, for a follow-up turn), with an X-Request-Id
+    of `id_prefix` + its id when a prefix is given; the text it generated is appended to
+    `answer`."""
     delay = t0 + req.arrival_s - time.monotonic()
     if delay > 0 and req.follows is None:
         await asyncio.sleep(delay)
     sent = time.monotonic()
     rec = RequestRecord(system=system, workload=workload, request_id=req.request_id, ok=False,
                         error=None, sent_s=sent - t0, first_token_s=None, token_times_s=[],
-                        prompt_tokens=0, output_tokens=0)
+                        prompt_tokens=0, output_tokens=0,
+                        sent_id=f"{id_prefix}{req.request_id}" if id_prefix else "")
     body = {"model": model, "prompt": prompt, "max_tokens": req.max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "return_token_ids": True,
             "stream_options": {"include_usage": True}}
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body,
+        headers = {"X-Request-Id": rec.sent_id} if rec.sent_id else None
+        async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers,
                                  timeout=REQUEST_TIMEOUT_S) as r:
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")
@@ -77,12 +80,13 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, system: str, wor
 async def run(url: str, model: str, system: str, workload: str,
               requests: Sequence[BenchRequest], prompts: dict[str, str],
               on_done: Callable[[RequestRecord], None] | None = None,
-              ) -> tuple[list[RequestRecord], float]:
+              id_prefix: str = "") -> tuple[list[RequestRecord], float]:
     """Every request of the workload; the records and the run's wall time in seconds.
 
     A follow-up turn (`BenchRequest.follows`) waits for its predecessor, then `think_s`, and
     sends the predecessor's whole prompt text, the text it generated and its own question
-    (`prompts[request_id]`), as a chat client would."""
+    (`prompts[request_id]`), as a chat client would. With `id_prefix`, each request carries
+    an X-Request-Id of the prefix and its id."""
     limits = httpx.Limits(max_connections=len(requests) + 4,
                           max_keepalive_connections=len(requests) + 4)
     done: dict[str, asyncio.Future[str]] = {
@@ -97,7 +101,8 @@ async def run(url: str, model: str, system: str, workload: str,
                 await asyncio.sleep(req.think_s)
             answer: list[str] = []
             try:
-                rec = await _one(client, url, model, system, workload, req, prompt, t0, answer)
+                rec = await _one(client, url, model, system, workload, req, prompt, t0, answer,
+                                 id_prefix)
             finally:  # its follow-up goes on (without the answer, if there is none)
                 done[req.request_id].set_result(prompt + "".join(answer))
             if on_done is not None:

@@ -43,6 +43,8 @@ class RequestRecord:
     """Arrival time of every output token; tokens arriving in one chunk share a time."""
     prompt_tokens: int = 0
     output_tokens: int = 0
+    sent_id: str = ""
+    """The X-Request-Id it was sent with ("": none; `benchmarks.e2e.slowest` joins on it)."""
 
 
 @dataclass(frozen=True)
