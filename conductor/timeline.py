@@ -14,10 +14,12 @@ The stages (seconds; a stage that did not happen is absent):
 - `parse`: from there to validated, rendered, tokenized and hashed;
 - `route`: from there to the policy's choice;
 - `prefill`: the Prefill RPC, sent to reply: `prefill_send` (to the engine's scheduler:
-  transport and the worker), the prefill engine's `prefill_queue` (to its forward pass) and
-  `prefill_compute` (forward pass to the sampled token), and `prefill_return` (from there
-  to the reply's arrival: waiting for saves, transport);
-- `decode_start`: the Generate RPC, sent to its first chunk: `decode_send`, then `kv_wait`
+  transport, the worker, and the rest of the engine's step in progress, since vLLM's engine
+  core takes in new requests between steps), the prefill engine's `prefill_queue` (to its
+  forward pass) and `prefill_compute` (forward pass to the sampled token), and
+  `prefill_return` (from there to the reply's arrival: waiting for saves, transport);
+- `decode_start`: the Generate RPC, sent to its first chunk: `decode_send` (as
+  `prefill_send`), then `kv_wait`
   (held by the worker until the prefill beside it computed, then the engine's pool load
   waiting for the blocks still being written),
   `kv_load` (copying blocks from the pool), `decode_queue` (the rest of its wait for a
