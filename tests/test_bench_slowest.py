@@ -61,10 +61,14 @@ def test_each_runs_slowest_request_is_joined_to_its_timeline(tmp_path: Path) -> 
         + _line("routed", cached_blocks=68, decode="both-0", prefill="both-0", request_id="i-b")
         # an id another client chose, and a request no client id names: neither is joined
         + _line("timeline", client_request_id="cmpl-p.b", request_id="i-b", status=200,
-                ttft_ms=90.0, parse_ms=5.0)
+                ttft_ms=90.0, parse_ms=5.0, decode_start_ms=80.0, decode_queue_ms=10.0,
+                decode_compute_ms=60.0)
         + _line("timeline", request_id="i-anon", status=200, ttft_ms=1.0)
-        + _line("timeline", accept_ms=0.5, client_request_id="cmpl-p.slow", decode_queue_ms=400.0,
-                decode_send_ms=2.0, parse_ms=20.0, prefill_compute_ms=1500.0, request_id="i-slow",
+        # disaggregated: the Generate RPC waits beside the Prefill RPC, whose token comes first
+        + _line("timeline", accept_ms=0.5, client_request_id="cmpl-p.slow", decode_queue_ms=50.0,
+                decode_send_ms=2.0, decode_start_ms=2500.0, kv_wait_ms=2400.0, parse_ms=20.0,
+                prefill_ms=1970.0, prefill_send_ms=2.0, prefill_queue_ms=400.0,
+                prefill_compute_ms=1500.0, prefill_return_ms=60.0, request_id="i-slow",
                 route_ms=0.5, status=200, ttft_ms=2000.0))
     fields = slowest.read(log)
     assert set(fields) == {"p.b", "p.slow"}
@@ -78,14 +82,19 @@ def test_each_runs_slowest_request_is_joined_to_its_timeline(tmp_path: Path) -> 
     assert got is not None and got.record.request_id == "slow" and got.in_flight == 1
     assert got.ttft_s == pytest.approx(2.1)
     stages = got.stages_ms()
-    assert stages["prefill_compute"] == 1500.0 and stages["decode_queue"] == 400.0
-    assert stages["other"] == pytest.approx(2000.0 - 1500 - 400 - 20 - 2 - 0.5 - 0.5)
+    assert stages["prefill_compute"] == 1500.0 and stages["prefill_queue"] == 400.0
+    assert not {"kv_wait", "decode_send", "decode_queue"} & set(stages)  # the other RPC's
+    assert stages["other"] == pytest.approx(2000.0 - 1500 - 400 - 60 - 2 - 20 - 0.5 - 0.5)
     assert stages["client"] == pytest.approx(100.0)
     assert "ttft" not in stages and "status" not in stages
     table = slowest.markdown([got], top=2)
     assert ("| kv_centric | w | 3 | 2100 | 2250 | 1 | both-1 -> both-0 (0, 0.38 s) | "
-            "prefill_compute 1500, decode_queue 400 |") in table
+            "prefill_compute 1500, prefill_queue 400 |") in table
     assert got.as_json()["stages_ms"] == stages
+    local = slowest.Slowest("kv_centric", "w", 0, records[1], 0, fields["p.b"])
+    assert local.stages_ms() == pytest.approx({"parse": 5.0, "decode_queue": 10.0,
+                                               "decode_compute": 60.0, "other": 15.0,
+                                               "client": 10.0})
 
 
 def test_a_run_without_its_timelines_still_names_its_slowest() -> None:

@@ -7,11 +7,13 @@ The load generator sends every request to our arms with an `X-Request-Id` of its
 (`RequestRecord.sent_id`); the conductor logs it as `client_request_id` (`cmpl-<id>`) on the
 request's `timeline` line, whose `request_id` joins its `routed` line.
 
-The stages shown partition the conductor's TTFT (`conductor.timeline`): accept, parse, route,
-the prefill RPC (send, queue, compute, return), then the first chunk's (send, KV wait, KV
-load, queue, compute, return); `other` is what the marks leave uncovered (the first token's
-way out of the conductor) and `client` the client's TTFT beyond the conductor's (its own
-connection, the server's first bytes).
+The stages shown are the conductor's TTFT in parts (`conductor.timeline`): accept, parse,
+route, then the parts of the RPC the first token came through. A disaggregated request's
+Prefill and Generate RPCs run side by side (the Generate held in `kv_wait` meanwhile), and
+its first token comes from whichever answers first (`conductor.first_token`): the one with
+the shorter span (`prefill`, `decode_start`). `other` is what the parts leave uncovered (the
+first token's way out of the conductor) and `client` the client's TTFT beyond the
+conductor's (its own connection, the server's first bytes).
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ from pathlib import Path
 from benchmarks import conductor_log
 from benchmarks.e2e.report import RequestRecord
 
-LEAVES = ("accept", "parse", "route", "prefill_send", "prefill_queue", "prefill_compute",
-          "prefill_return", "decode_send", "kv_wait", "kv_load", "decode_queue",
-          "decode_compute", "decode_return")
-"""The timeline's stages that add up to its TTFT (`conductor.timeline`)."""
+BEFORE = ("accept", "parse", "route")
+RPCS = {"prefill": ("prefill_send", "prefill_queue", "prefill_compute", "prefill_return"),
+        "decode_start": ("decode_send", "kv_wait", "kv_load", "decode_queue", "decode_compute",
+                         "decode_return")}
+"""The timeline's stages before the RPCs, and each RPC's span with its parts."""
 
 _ROUTE = ("prefill", "decode", "predicted_ttft_s", "cached_blocks", "local_prefill")
 
@@ -51,8 +54,11 @@ class Slowest:
         """The TTFT's parts in ms, `other` and `client` included; empty without a timeline."""
         if "ttft_ms" not in self.fields:
             return {}
-        out = {k: float(self.fields[f"{k}_ms"]) for k in LEAVES if f"{k}_ms" in self.fields}
-        ttft_ms = float(self.fields["ttft_ms"])
+        f = self.fields
+        spans = {rpc: float(f[f"{rpc}_ms"]) for rpc in RPCS if f"{rpc}_ms" in f}
+        via = RPCS[min(spans, key=spans.__getitem__)] if spans else ()
+        out = {k: float(f[f"{k}_ms"]) for k in BEFORE + via if f"{k}_ms" in f}
+        ttft_ms = float(f["ttft_ms"])
         out["other"] = max(ttft_ms - sum(out.values()), 0.0)
         out["client"] = max(self.ttft_s * 1e3 - ttft_ms, 0.0)
         return out
