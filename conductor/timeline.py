@@ -37,9 +37,16 @@ from collections.abc import Callable, Mapping
 
 from protos import worker_pb2
 
-STAGES = ("accept", "parse", "route", "prefill", "prefill_send", "prefill_queue",
-          "prefill_compute", "prefill_return", "decode_start", "decode_send", "kv_wait", "kv_load",
-          "decode_queue", "decode_compute", "decode_return", "ttft", "decode", "answer")
+BEFORE_RPCS = ("accept", "parse", "route")
+"""The conductor's stages before it sends an RPC, one after the other."""
+RPC_PARTS = {"prefill": ("prefill_send", "prefill_queue", "prefill_compute", "prefill_return"),
+             "decode_start": ("decode_send", "kv_wait", "kv_load", "decode_queue",
+                              "decode_compute", "decode_return")}
+"""Each RPC's span and the parts it splits into. A disaggregated request's two RPCs run side by
+side (its Generate waits in `kv_wait` meanwhile): its first token comes through the one with
+the shorter span, and only that one's parts add up to its time."""
+STAGES = (BEFORE_RPCS + tuple(s for rpc, parts in RPC_PARTS.items() for s in (rpc, *parts))
+          + ("ttft", "decode", "answer"))
 
 
 class Timeline:

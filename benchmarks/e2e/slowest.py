@@ -24,12 +24,7 @@ from pathlib import Path
 
 from benchmarks import conductor_log
 from benchmarks.e2e.report import RequestRecord
-
-BEFORE = ("accept", "parse", "route")
-RPCS = {"prefill": ("prefill_send", "prefill_queue", "prefill_compute", "prefill_return"),
-        "decode_start": ("decode_send", "kv_wait", "kv_load", "decode_queue", "decode_compute",
-                         "decode_return")}
-"""The timeline's stages before the RPCs, and each RPC's span with its parts."""
+from conductor.timeline import BEFORE_RPCS, RPC_PARTS
 
 _ROUTE = ("prefill", "decode", "predicted_ttft_s", "cached_blocks", "local_prefill")
 
@@ -55,9 +50,9 @@ class Slowest:
         if "ttft_ms" not in self.fields:
             return {}
         f = self.fields
-        spans = {rpc: float(f[f"{rpc}_ms"]) for rpc in RPCS if f"{rpc}_ms" in f}
-        via = RPCS[min(spans, key=spans.__getitem__)] if spans else ()
-        out = {k: float(f[f"{k}_ms"]) for k in BEFORE + via if f"{k}_ms" in f}
+        spans = {rpc: float(f[f"{rpc}_ms"]) for rpc in RPC_PARTS if f"{rpc}_ms" in f}
+        via = RPC_PARTS[min(spans, key=spans.__getitem__)] if spans else ()
+        out = {k: float(f[f"{k}_ms"]) for k in BEFORE_RPCS + via if f"{k}_ms" in f}
         ttft_ms = float(f["ttft_ms"])
         out["other"] = max(ttft_ms - sum(out.values()), 0.0)
         out["client"] = max(self.ttft_s * 1e3 - ttft_ms, 0.0)
