@@ -7,11 +7,9 @@ The load generator sends every request to our arms with an `X-Request-Id` of its
 (`RequestRecord.sent_id`); the conductor logs it as `client_request_id` (`cmpl-<id>`) on the
 request's `timeline` line, whose `request_id` joins its `routed` line.
 
-The stages shown are the conductor's TTFT in parts (`conductor.timeline`): accept, parse,
-route, then the parts of the RPC the first token came through. A disaggregated request's
-Prefill and Generate RPCs run side by side (the Generate held in `kv_wait` meanwhile), and
-its first token comes from whichever answers first (`conductor.first_token`): the one with
-the shorter span (`prefill`, `decode_start`). `other` is what the parts leave uncovered (the
+The stages shown are the conductor's TTFT in parts: `conductor.timeline.BEFORE_RPCS`, then
+the parts of the RPC the first token came through, the one with the shorter span
+(`conductor.timeline.RPC_PARTS` says why). `other` is what the parts leave uncovered (the
 first token's way out of the conductor) and `client` the client's TTFT beyond the
 conductor's (its own connection, the server's first bytes).
 """
