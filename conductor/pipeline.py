@@ -125,9 +125,13 @@ class Pipeline:
 
     def prepare(self, request_id: str, token_ids: list[int],
                 params: worker_pb2.SamplingParams, cache_salt: str = "",
-                ttft_slo_s: float | None = None, tbt_slo_s: float | None = None) -> Prepared:
-        """A request the HTTP layer validated, tokenized and parameterised, with its hashes."""
+                ttft_slo_s: float | None = None, tbt_slo_s: float | None = None,
+                loosen_slos: bool = False) -> Prepared:
+        """A request the HTTP layer validated, tokenized and parameterised, with its hashes
+        and the SLOs it runs under (its own only where tighter than the operator's, unless
+        `loosen_slos`: `Router.slos`)."""
         block_size = self.block_size()
+        ttft_slo_s, tbt_slo_s = self.router.slos(ttft_slo_s, tbt_slo_s, loosen_slos)
         return Prepared(
             request_id=request_id,
             token_ids=token_ids,
@@ -144,7 +148,8 @@ class Pipeline:
         """Where the request runs (counted there from now on), or Overloaded / NoCapacity."""
         return self.router.route(prep.request_id, prep.token_ids, prep.block_hashes,
                                  prep.max_tokens, prep.block_size, prep.cache_salt,
-                                 prep.ttft_slo_s, prep.tbt_slo_s, exclude)
+                                 prep.ttft_slo_s, prep.tbt_slo_s, exclude,
+                                 prep.params.n or 1)
 
     # ------------------------------------------------------------------ one request
 
@@ -177,7 +182,7 @@ class Pipeline:
             if alone is not None:
                 dispatch = self.router.pin(prep.request_id, prep.token_ids, prep.block_hashes,
                                            prep.max_tokens, prep.block_size, prep.cache_salt,
-                                           alone)
+                                           alone, prep.params.n or 1)
             else:
                 dispatch = self.route(prep, rec.exclude)
         except ConductorError as e:

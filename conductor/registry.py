@@ -144,7 +144,8 @@ class Registry:
         for iid, info in members.items():
             if iid not in self._instances:
                 channel = aio_channel(info.address, self.tls, keepalive.CLIENT)
-                load = LoadState(iid, info.role, info.block_size, info.capacity_tokens)
+                load = LoadState(iid, info.role, info.block_size, info.capacity_tokens,
+                                 info.max_seqs)
                 load.host, load.threads, load.side = info.host, info.threads, info.side
                 load.cores, load.gpus = cpu_list(info.cpus), cpu_list(info.gpus)
                 stub = worker_pb2_grpc.WorkerStub(channel)

@@ -378,7 +378,8 @@ class LocalConductor:
                 guard.bind(self.addresses[iid])
             members[iid] = InstanceInfo(instance_id=iid, role=role, address=f"127.0.0.1:{port}",
                                         model="fake", block_size=32, capacity_tokens=1 << 20,
-                                        version="test", max_model_len=self.max_model_len)
+                                        version="test", max_model_len=self.max_model_len,
+                                        max_seqs=64)
         config = parse_args(["--model", self.model_dir, "--etcd", "127.0.0.1:1",
                              "--port", str(self.port), "--kv-events", "false",
                              "--secret-file", self.secret_file, "--tls-dir", self.tls_dir,
