@@ -1,6 +1,7 @@
 """A request body, read and decoded: at most `limit` bytes (413 beyond, without reading the
 rest), valid JSON nested no deeper than the decoder can follow, and text that can be encoded
-(400 otherwise). Each of these was a 500, or a 60 MiB body read and parsed in full."""
+(400 otherwise), with numbers Python can read (an integer literal of thousands of digits is
+400, not a 500)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ def decode(raw: bytes) -> object:
         raise InvalidRequest(f"Invalid JSON body: {e}") from None
     except RecursionError:
         raise InvalidRequest("Invalid JSON body: nested too deeply") from None
+    except ValueError as e:  # an integer literal past Python's digit limit
+        raise InvalidRequest(f"Invalid JSON body: {str(e)[:120]}") from None
     return body
 
 
