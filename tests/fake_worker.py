@@ -352,6 +352,7 @@ class LocalConductor:
     async def _main(self) -> None:
         from conductor.app import create_app
         from conductor.config import parse_args
+        from conductor.http_server import server_config
 
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
@@ -386,10 +387,9 @@ class LocalConductor:
                              *self.conductor_args])
         app = self.app = create_app(config,
                                     membership=lambda on_change: StaticMembership(members))
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                     loop="asyncio", log_level="warning",
-                                                     lifespan="on",
-                                                     timeout_keep_alive=config.http_keep_alive_s))
+        self._server = uvicorn.Server(server_config(app, config, host="127.0.0.1",
+                                                    port=self.port, loop="asyncio",
+                                                    lifespan="on"))
         serving = asyncio.ensure_future(self._server.serve(sockets=[self._sock]))
         await self._stop.wait()
         await serving
