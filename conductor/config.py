@@ -104,6 +104,10 @@ class ConductorConfig:
     breaker_cooldown_s: float = 2.0
     """An instance whose circuit breaker opened (unreachable, or 3 failed calls in a row) is
     not routed to for this long, then tried again."""
+    retry_budget: float = 0.2
+    """Retries (and stream migrations) on other instances may number this share of the
+    requests of the last 10 s, plus 3: beyond it a failure is the answer, so that failures
+    never multiply the load. A request's own retries are at most 2 whatever this is."""
     max_in_flight: int = 1024
     """Requests the conductor holds at once; beyond it new ones get 429 at once."""
     max_body_bytes: int = 16 << 20
@@ -166,6 +170,8 @@ class ConductorConfig:
                      "http_send_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if not 0 <= self.retry_budget <= 10:
+            raise ValueError(f"retry_budget must be in [0, 10], got {self.retry_budget}")
         if self.stall_timeout_s < 0:
             raise ValueError("stall_timeout_s must be 0 (derived) or positive")
         if self.disaggregate not in DISAGGREGATE:

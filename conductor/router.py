@@ -201,6 +201,7 @@ class Router:
         p, d = self.registry.get(decision.prefill_id), self.registry.get(decision.decode_id)
         if p is None or d is None:
             raise NoCapacity("the chosen instance left the cluster")
+        self.registry.dispatched(request_id, (p.instance_id, d.instance_id))
         loadable = loadable_blocks(len(token_ids), block_size)
         pool = min(req.match.pool, loadable)
         tail = list(token_ids[len(block_hashes) * block_size:])
@@ -215,6 +216,7 @@ class Router:
         """The request on `inst` alone, whatever the policy would choose (a fall-back: the
         prefill beside it failed)."""
         now = time.monotonic()
+        self.registry.dispatched(request_id, (inst.instance_id,))
         match = self.index.match(block_hashes)
         pool = min(match.pool, loadable_blocks(len(token_ids), block_size))
         route = Route(prefill_id=inst.instance_id, decode_id=inst.instance_id,
@@ -442,6 +444,8 @@ class Dispatch:
         if self._decode_open:
             self._decode_open = False
             self.decode.load.end_decode(self.request_id)
+            self.router.registry.released(self.request_id, (self.prefill.instance_id,
+                                                            self.decode.instance_id))
 
     def _end_prefill(self, now: float) -> tuple[bool, float]:
         """Close the prefill; (whether it ran alone, its service time) for `_timed`."""
