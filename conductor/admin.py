@@ -262,6 +262,47 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             if k.reported_prompt_tokens else 0.0)
 
 
+    # ---------------------------------------------------------------- tenants
+
+    def _tenant(self, tenant: str) -> admin_pb2.TenantStatus:
+        tenants = self.c.tenants
+        limits = tenants.limits(tenant)
+        state = tenants.states().get(tenant)
+        bucket = state.bucket if state is not None else None
+        return admin_pb2.TenantStatus(
+            tenant=tenant, max_concurrency=limits.max_concurrency,
+            tokens_per_s=limits.tokens_per_s, priority=limits.priority,
+            may_loosen_slo=limits.may_loosen_slo, own_limits=tenant in tenants.configured(),
+            in_flight=state.in_flight if state else 0,
+            tokens_available=max(bucket.level, 0.0) if bucket else 0.0,
+            admitted=state.admitted if state else 0, rejected=state.rejected if state else 0)
+
+    async def SetTenantLimits(self, request: admin_pb2.SetTenantLimitsRequest,
+                              context: grpc.aio.ServicerContext) -> admin_pb2.TenantStatus:
+        tenants, name = self.c.tenants, request.tenant
+        try:
+            if request.reset:
+                tenants.reset(name)
+            fields = ("max_concurrency", "tokens_per_s", "priority", "may_loosen_slo")
+            changes = {f: getattr(request, f) for f in fields if request.HasField(f)}
+            if changes or not request.reset:
+                tenants.set(name, tenants.limits(name).with_changes(**changes))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        status = self._tenant(name)
+        log.info("tenant_limits_set", tenant=name, max_concurrency=status.max_concurrency,
+                 tokens_per_s=status.tokens_per_s, priority=status.priority,
+                 may_loosen_slo=status.may_loosen_slo, reset=request.reset)
+        return status
+
+    async def ListTenants(self, request: admin_pb2.ListTenantsRequest,
+                          context: grpc.aio.ServicerContext) -> admin_pb2.ListTenantsReply:
+        tenants = self.c.tenants
+        names = sorted(set(tenants.configured()) | set(tenants.states()))
+        return admin_pb2.ListTenantsReply(tenants=[self._tenant(n) for n in names],
+                                          batch_queued=self.c.flow.queued)
+
+
 class AdminServer:
     """The grpc.aio server of the admin API, with health and reflection."""
 

@@ -41,6 +41,7 @@ from conductor.errors import (
     error_payload,
     http_status,
 )
+from conductor.flow import PRIORITY_HEADER, FlowControl, Ticket
 from conductor.health import HealthChecker
 from conductor.metrics import CLIENT_CLOSED, CONTENT_TYPE, Metrics, RequestTimer
 from conductor.pipeline import Outcome, Pipeline
@@ -60,12 +61,16 @@ from conductor.sampling import ModelDefaults, sampling
 from conductor.scheduler import DECODES_ALONE
 from conductor.scheduler.pool_sync import PoolSync
 from conductor.step_targets import StepTargets
+from conductor.tenants import Tenants
 from conductor.tokenizer import Tokenizer
 from conductor.tracing import Tracing
 from protos import worker_pb2
 
 log = structlog.get_logger(__name__)
 
+REASON_HEADER = "x-kvcluster-reason"
+"""Why a request was refused (429, 503): the error's code, e.g. `slo_unattainable`,
+`tenant_token_rate`, `batch_queue_timeout`."""
 OFFLOAD_BYTES = 16 << 10
 """Bodies larger than this are understood (`Conductor._understand`) off the event loop."""
 
@@ -101,6 +106,11 @@ class Conductor:
         self.metrics = Metrics(self.registry.views,
                                lambda: self.pool_stats.latest if self.pool_stats else {})
         self.pipeline.metrics = self.metrics
+        self.tenants = Tenants(config.tenant_limits)
+        self.flow = FlowControl(self.tenants, config.batch_max_wait_s, config.batch_queue_max,
+                                self.metrics)
+        self.pipeline.flow = self.flow
+        self.pipeline.router.freed = self.flow.freed
         self.metrics.tracing = Tracing.from_config(config.otel_endpoint)
         make = membership or (lambda on_change: MembershipWatcher(
             config.etcd_access, prefix=config.membership_prefix, on_change=on_change))
@@ -155,8 +165,9 @@ class Conductor:
         if self.metrics.tracing is not None:
             self.metrics.tracing.shutdown()
 
-    def _finished(self) -> None:
+    def _finished(self, ticket: Ticket, outcome: Outcome) -> None:
         self.in_flight -= 1
+        self.flow.release(ticket, outcome.prompt_tokens + outcome.completion_tokens)
 
     def ready(self) -> tuple[bool, str]:
         views = self.registry.views()
@@ -176,13 +187,19 @@ class Conductor:
         try:
             understood = await self._parse(request, chat)
             # a slot is taken only by a request that arrived whole and parsed: clients holding
-            # half-sent bodies take none
-            if self.in_flight >= self.config.max_in_flight:
+            # half-sent bodies take none; batch requests waiting in the flow's queue take none
+            if self.in_flight - self.flow.queued >= self.config.max_in_flight:
                 raise Overloaded(f"the conductor holds {self.in_flight} requests, its limit; "
                                  "retry later", code="conductor_full", retry_after=1.0)
+            tenant = request.scope.get("state", {}).get("tenant", "")
+            _, _, _, token_ids, params = understood
+            ticket = self.flow.admit(
+                tenant, self.flow.priority(tenant, request.headers.get(PRIORITY_HEADER)),
+                len(token_ids) + params.max_tokens * (params.n or 1))
             self.in_flight += 1
-            timer.on_finish = self._finished
-            return await self._serve(request, understood, timer)
+            outcome = Outcome(timeline=timer.timeline)
+            timer.on_finish = lambda: self._finished(ticket, outcome)
+            return await self._serve(request, understood, ticket, outcome, timer)
         except request_body.ClientGone:
             log.info("client_disconnected", stage="body")
             timer.end(CLIENT_CLOSED)
@@ -210,21 +227,20 @@ class Conductor:
         return (await asyncio.to_thread(self._understand, *args) if len(raw) > OFFLOAD_BYTES
                 else self._understand(*args))
 
-    async def _serve(self, request: Request, understood: _Understood, timer: RequestTimer
-                     ) -> Response:
+    async def _serve(self, request: Request, understood: _Understood, ticket: Ticket,
+                     outcome: Outcome, timer: RequestTimer) -> Response:
         req, ids, spec, token_ids, params = understood
         request_id = ids.internal
         structlog.contextvars.bind_contextvars(**ids.log())
-        tenant = request.scope.get("state", {}).get("tenant", "")
         prep = self.pipeline.prepare(
-            request_id, token_ids, params, tenant_salt(tenant, req.cache_salt),
+            request_id, token_ids, params, tenant_salt(ticket.tenant, req.cache_salt),
             ttft_slo_s=req.ttft_slo_ms / 1000 if req.ttft_slo_ms is not None else None,
-            tbt_slo_s=req.tbt_slo_ms / 1000 if req.tbt_slo_ms is not None else None)
+            tbt_slo_s=req.tbt_slo_ms / 1000 if req.tbt_slo_ms is not None else None,
+            loosen_slos=ticket.state.limits.may_loosen_slo, priority=ticket.priority)
         timer.timeline.mark("prepared")
         timer.timeline.attrs.update(**ids.log(), prompt_tokens=len(token_ids),
-                                    stream=bool(req.stream))
-        outcome = Outcome(timeline=timer.timeline)
-        deltas = self.pipeline.run(prep, outcome)
+                                    stream=bool(req.stream), priority=ticket.priority)
+        deltas = self.pipeline.run(prep, outcome, ticket)
         headers = {"X-Request-Id": ids.public}
         # Until the response starts, a disconnect is only noticed by listening for it.
         if not req.stream:
@@ -411,6 +427,8 @@ def create_app(config: ConductorConfig,
         if err.retry_after is not None:
             headers["Retry-After"] = str(max(1, round(err.retry_after)))
         status = http_status(err)
+        if status in (429, 503) and err.code:
+            headers[REASON_HEADER] = err.code
         if status >= 500:
             log.warning("answer_5xx", status=status, path=request.url.path, error=err.message)
         return JSONResponse(error_body(err), status_code=status, headers=headers)

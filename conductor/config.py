@@ -12,6 +12,7 @@ from cluster.secret import LOOPBACK, ClusterSecret
 from conductor.auth import load_api_keys
 from conductor.scheduler.policy import DEFAULT_POLICY
 from conductor.scheduler.policy import POLICIES as _POLICY_TABLE
+from conductor.tenants import Limits, load_limits
 
 POLICIES = tuple(_POLICY_TABLE)
 DISAGGREGATE = ("auto", "always", "never")
@@ -108,6 +109,19 @@ class ConductorConfig:
     """Retries (and stream migrations) on other instances may number this share of the
     requests of the last 10 s, plus 3: beyond it a failure is the answer, so that failures
     never multiply the load. A request's own retries are at most 2 whatever this is."""
+    tenant_limits_file: str = ""
+    """Tenants' limits at start: a TOML file of `[tenants.<name>]` tables with
+    `max_concurrency`, `tokens_per_s`, `priority` (interactive | batch) and `may_loosen_slo`
+    (`[tenants."*"]`: every other tenant's); `conductorctl tenant` changes them at run time.
+    Empty: no limits. Tenants are named by API key (`api_keys_file`)."""
+    batch_slo_share: float = 0.5
+    """`batch` requests are routed under this share of the SLOs: they take only the headroom
+    interactive requests leave, and wait in the batch queue otherwise."""
+    batch_max_wait_s: float = 60.0
+    """How long a `batch` request may wait in the batch queue for room before it is refused
+    (429, `batch_queue_timeout`)."""
+    batch_queue_max: int = 256
+    """`batch` requests waiting at once; beyond, 429 (`batch_queue_full`)."""
     max_in_flight: int = 1024
     """Requests the conductor holds at once; beyond it new ones get 429 at once."""
     max_body_bytes: int = 16 << 20
@@ -139,6 +153,11 @@ class ConductorConfig:
         return self._keys  # type: ignore[attr-defined]
 
     @property
+    def tenant_limits(self) -> dict[str, Limits]:
+        """The tenants' limits at start (`tenant_limits_file`)."""
+        return self._tenant_limits  # type: ignore[attr-defined]
+
+    @property
     def cluster_secret(self) -> ClusterSecret | None:
         return self._secret  # type: ignore[attr-defined]
 
@@ -167,9 +186,11 @@ class ConductorConfig:
                      "pool_sync_s", "stats_interval_s",
                      "max_in_flight", "max_body_bytes", "pool_wait_margin_s",
                      "http_keep_alive_s", "http_head_timeout_s", "http_body_timeout_s",
-                     "http_send_timeout_s"):
+                     "http_send_timeout_s", "batch_max_wait_s", "batch_queue_max"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if not 0 < self.batch_slo_share <= 1:
+            raise ValueError(f"batch_slo_share must be in (0, 1], got {self.batch_slo_share}")
         if not 0 <= self.retry_budget <= 10:
             raise ValueError(f"retry_budget must be in [0, 10], got {self.retry_budget}")
         if self.stall_timeout_s < 0:
@@ -198,6 +219,7 @@ class ConductorConfig:
         object.__setattr__(self, "_etcd_access", EtcdAccess.load(self.etcd,
                                                                  self.etcd_access_file))
         object.__setattr__(self, "_keys", load_api_keys(self.api_keys_file, self.api_key))
+        object.__setattr__(self, "_tenant_limits", load_limits(self.tenant_limits_file))
         if self.embedded_workers and not os.path.isfile(self.embedded_workers):
             raise ValueError(f"embedded_workers is not a file: {self.embedded_workers!r}")
         if not self.served_model_name:

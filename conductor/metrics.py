@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -67,6 +67,20 @@ class Metrics:
                                      ["stage"], registry=r)
         self.retries_refused = Counter("kvcluster_retries_refused", "Retries not made: the "
                                        "retry budget (--retry-budget) was spent.", registry=r)
+        self.tenant_requests = Counter("kvcluster_tenant_requests", "Requests by tenant, "
+                                       "priority class and outcome (admitted, or the reason "
+                                       "they were refused: conductor/flow.py).",
+                                       ["tenant", "priority", "outcome"], registry=r)
+        self.tenant_in_flight = Gauge("kvcluster_tenant_in_flight", "A tenant's requests "
+                                      "admitted and not finished.", ["tenant"], registry=r)
+        self.tenant_tokens = Counter("kvcluster_tenant_tokens", "Tokens a tenant's finished "
+                                     "requests used (prompt and output).", ["tenant"],
+                                     registry=r)
+        self.batch_queue = Gauge("kvcluster_batch_queue_depth", "Batch requests waiting for "
+                                 "room.", registry=r)
+        self.batch_wait = Histogram("kvcluster_batch_queue_wait_seconds", "How long batch "
+                                    "requests waited for room before they were routed.",
+                                    buckets=_STAGE_BUCKETS, registry=r)
         self.fallbacks_total = Counter("kvcluster_fallbacks", "Fall-backs taken (e.g. prefill "
                                        "on the decode instance, recompute), by kind.", ["kind"],
                                        registry=r)
@@ -92,6 +106,23 @@ class Metrics:
 
     def fallback(self, kind: str) -> None:
         self.fallbacks_total.labels(kind).inc()
+
+    def tenant_admitted(self, tenant: str, priority: str, in_flight: int) -> None:
+        self.tenant_requests.labels(tenant, priority, "admitted").inc()
+        self.tenant_in_flight.labels(tenant).set(in_flight)
+
+    def tenant_rejected(self, tenant: str, priority: str, reason: str) -> None:
+        self.tenant_requests.labels(tenant, priority, reason).inc()
+
+    def tenant_released(self, tenant: str, in_flight: int, tokens: int) -> None:
+        self.tenant_in_flight.labels(tenant).set(in_flight)
+        self.tenant_tokens.labels(tenant).inc(tokens)
+
+    def batch_queue_depth(self, depth: int) -> None:
+        self.batch_queue.set(depth)
+
+    def batch_waited(self, seconds: float) -> None:
+        self.batch_wait.observe(seconds)
 
     def reject(self, reason: str) -> None:
         self.rejections.labels(reason).inc()

@@ -35,6 +35,7 @@ from conductor.first_token import (
     strip_first,
     usable,
 )
+from conductor.flow import FlowControl, Ticket
 from conductor.registry import Instance, Registry
 from conductor.resilience import (
     UNREACHABLE,
@@ -114,6 +115,9 @@ class Pipeline:
         self.router = Router(config, registry)
         self.metrics: ResilienceMetrics | None = None
         self.retry_budget = RetryBudget(config.retry_budget)
+        self.flow: FlowControl | None = None
+        """Queues batch requests for room (`conductor.flow`); None: every request is routed
+        at once."""
 
     def block_size(self) -> int:
         sizes = {i.info.block_size for i in self.registry.all()}
@@ -128,12 +132,15 @@ class Pipeline:
     def prepare(self, request_id: str, token_ids: list[int],
                 params: worker_pb2.SamplingParams, cache_salt: str = "",
                 ttft_slo_s: float | None = None, tbt_slo_s: float | None = None,
-                loosen_slos: bool = False) -> Prepared:
+                loosen_slos: bool = False, priority: str = "interactive") -> Prepared:
         """A request the HTTP layer validated, tokenized and parameterised, with its hashes
-        and the SLOs it runs under (its own only where tighter than the operator's, unless
-        `loosen_slos`: `Router.slos`)."""
+        and the SLOs it runs under: its own only where tighter than the operator's, unless
+        `loosen_slos` (`Router.slos`); a `batch` request's at most `batch_slo_share` of
+        them (it takes the headroom interactive ones leave, `conductor.flow`)."""
         block_size = self.block_size()
-        ttft_slo_s, tbt_slo_s = self.router.slos(ttft_slo_s, tbt_slo_s, loosen_slos)
+        ttft_slo_s, tbt_slo_s = self.router.slos(
+            ttft_slo_s, tbt_slo_s, loosen_slos,
+            self.config.batch_slo_share if priority == "batch" else 1.0)
         return Prepared(
             request_id=request_id,
             token_ids=token_ids,
@@ -155,15 +162,23 @@ class Pipeline:
 
     # ------------------------------------------------------------------ one request
 
-    async def run(self, prep: Prepared, outcome: Outcome) -> AsyncIterator[Delta]:
-        """Route, prefill beside decode, stream; survive what `conductor.resilience` can."""
+    async def run(self, prep: Prepared, outcome: Outcome, ticket: Ticket | None = None
+                  ) -> AsyncIterator[Delta]:
+        """Route (a batch `ticket` waiting for room: `conductor.flow`), prefill beside decode,
+        stream; survive what `conductor.resilience` can."""
         outcome.prompt_tokens = len(prep.token_ids)
         deadline = time.monotonic() + self.config.request_timeout_s
         self.retry_budget.request()
         rec = Recovery(prep, outcome, self.metrics, self.retry_budget)
         alone: Instance | None = None  # after a prefill failure: this instance computes it all
+        first = True
         while True:
-            dispatch = self._dispatch(rec, alone)
+            if first and ticket is not None and self.flow is not None:
+                dispatch = await self.flow.place(ticket, lambda: self._dispatch(rec, None),
+                                                 Dispatch.release)
+            else:
+                dispatch = self._dispatch(rec, alone)
+            first = False
             try:
                 async for delta in self._serve(dispatch, rec, deadline):
                     yield delta

@@ -90,6 +90,9 @@ class Router:
         measured yet (the prior from `pool_gbps` then)."""
         self._params: SchedulerParams | None = None
         self._seq = 0
+        self.freed: Callable[[], None] = lambda: None
+        """Called when a routed request frees capacity (it ended, or its prefill did): the
+        flow's batch queue tries its waiting requests (`conductor.flow`)."""
         self.follower = None
         if config.kv_events:
             from conductor.scheduler.events import KvEventFollower
@@ -131,16 +134,17 @@ class Router:
         """The default TBT SLO now."""
         return self._base.tbt_slo_s
 
-    def slos(self, ttft_slo_s: float | None, tbt_slo_s: float | None, loosen: bool = False
-             ) -> tuple[float | None, float | None]:
-        """A request's own SLOs as the operator allows them: tighter than the defaults as
-        asked, never looser (a client cannot switch load shedding off), unless `loosen` (its
-        tenant is allowed to). None: the default."""
-        if loosen:
-            return ttft_slo_s, tbt_slo_s
-        base = self._base
-        return (None if ttft_slo_s is None else min(ttft_slo_s, base.ttft_slo_s),
-                None if tbt_slo_s is None else min(tbt_slo_s, base.tbt_slo_s))
+    def slos(self, ttft_slo_s: float | None, tbt_slo_s: float | None, loosen: bool = False,
+             share: float = 1.0) -> tuple[float | None, float | None]:
+        """A request's own SLOs as the operator allows them: tighter than `share` of the
+        defaults as asked, never looser (a client cannot switch load shedding off), unless
+        `loosen` (its tenant is allowed to). None: the default."""
+        def one(own: float | None, default: float) -> float | None:
+            if own is None:
+                return None if share == 1.0 else default * share
+            return own if loosen else min(own, default * share)
+
+        return one(ttft_slo_s, self._base.ttft_slo_s), one(tbt_slo_s, self._base.tbt_slo_s)
 
     # ------------------------------------------------------------------ deciding
 
@@ -335,6 +339,7 @@ class Dispatch:
         # or never written), whatever the index believed. (Mooncake's master could publish
         # its evictions, but the 0.3.13 wheel's master is built without the ZMQ publisher.)
         idx.truncate(POOL, self.block_hashes, blocks_in_pool)
+        self.router.freed()
         self.router.counters.reported_hit_tokens += num_cached_tokens
         self.router.counters.reported_prompt_tokens += num_prompt_tokens
         uncached = num_prompt_tokens - num_cached_tokens
@@ -446,6 +451,7 @@ class Dispatch:
             self.decode.load.end_decode(self.request_id)
             self.router.registry.released(self.request_id, (self.prefill.instance_id,
                                                             self.decode.instance_id))
+            self.router.freed()
 
     def _end_prefill(self, now: float) -> tuple[bool, float]:
         """Close the prefill; (whether it ran alone, its service time) for `_timed`."""

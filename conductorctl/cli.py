@@ -7,6 +7,8 @@
     conductorctl slo --ttft-ms 2000 --tbt-ms 100            # default SLOs (0/omitted: unchanged)
     conductorctl prewarm --file prompt.txt [--instance ID ...]
     conductorctl index                                      # the global KV index
+    conductorctl tenants                                    # tenants' limits and use
+    conductorctl tenant acme --max-concurrency 8 --tokens-per-s 20000 --priority batch
     conductorctl --json instances                           # any reply as JSON
 
 Address: --addr, else $KVCLUSTER_ADMIN_ADDR, else 127.0.0.1:8001.
@@ -162,6 +164,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cache-salt", default="", metavar="S")
 
     add("index", help="global KV index size, memory and hit figures")
+
+    add("tenants", help="tenants' limits and their use now")
+    s = add("tenant", help="set a tenant's limits ('*': tenants without their own); an "
+                           "omitted value stays unchanged")
+    s.add_argument("tenant", metavar="NAME")
+    s.add_argument("--max-concurrency", type=_target, metavar="N",
+                   help="requests in flight at once (0: no limit)")
+    s.add_argument("--tokens-per-s", type=_non_negative, metavar="R",
+                   help="prompt + output tokens per second (0: no limit)")
+    s.add_argument("--priority", choices=("interactive", "batch"),
+                   help="the highest class its requests run in")
+    s.add_argument("--may-loosen-slo", choices=("true", "false"),
+                   help="its requests may ask for looser SLOs than the operator's")
+    s.add_argument("--reset", action="store_true",
+                   help="back to the default's limits first")
     return p
 
 
@@ -238,6 +255,19 @@ def _request(args: argparse.Namespace) -> tuple[str, object, bool]:
         return "Prewarm", req, True
     if cmd == "index":
         return "IndexStats", admin_pb2.IndexStatsRequest(), False
+    if cmd == "tenants":
+        return "ListTenants", admin_pb2.ListTenantsRequest(), False
+    if cmd == "tenant":
+        req = admin_pb2.SetTenantLimitsRequest(tenant=args.tenant, reset=args.reset)
+        if args.max_concurrency is not None:
+            req.max_concurrency = args.max_concurrency
+        if args.tokens_per_s is not None:
+            req.tokens_per_s = args.tokens_per_s
+        if args.priority is not None:
+            req.priority = args.priority
+        if args.may_loosen_slo is not None:
+            req.may_loosen_slo = args.may_loosen_slo == "true"
+        return "SetTenantLimits", req, False
     raise UsageError(f"unknown command {cmd!r}")  # argparse prevents this
 
 
@@ -347,10 +377,35 @@ def _fmt_index(r: admin_pb2.IndexStatsReply) -> str:
     return head + "\n\n" + table(["LOCATION", "BLOCKS"], rows, [False, True])
 
 
+def _limit(value: float) -> str:
+    return f"{value:g}" if value else "-"
+
+
+def _tenant_row(t: admin_pb2.TenantStatus) -> list[object]:
+    return [t.tenant or '""', _limit(t.max_concurrency), _limit(t.tokens_per_s), t.priority,
+            "yes" if t.may_loosen_slo else "no", "own" if t.own_limits else "default",
+            t.in_flight, f"{t.tokens_available:.0f}" if t.tokens_per_s else "-", t.admitted,
+            t.rejected]
+
+
+_TENANT_HEADER = ["TENANT", "MAX_CONCURRENCY", "TOKENS/S", "PRIORITY", "LOOSEN_SLO", "LIMITS",
+                  "IN_FLIGHT", "TOKENS_NOW", "ADMITTED", "REJECTED"]
+_TENANT_RIGHT = [False, True, True, False, False, False, True, True, True, True]
+
+
+def _fmt_tenants(r: admin_pb2.ListTenantsReply) -> str:
+    rows = [_tenant_row(t) for t in r.tenants]
+    return table(_TENANT_HEADER, rows, _TENANT_RIGHT) + f"\n\nbatch_queued: {r.batch_queued}"
+
+
+def _fmt_tenant(t: admin_pb2.TenantStatus) -> str:
+    return table(_TENANT_HEADER, [_tenant_row(t)], _TENANT_RIGHT)
+
+
 _FORMATTERS: dict[str, Callable[..., str]] = {
     "ListInstances": _fmt_instances, "ResizePool": _fmt_resize, "Drain": _fmt_drain,
     "Undrain": _fmt_drain, "SetSLO": _fmt_slo, "Prewarm": _fmt_prewarm,
-    "IndexStats": _fmt_index,
+    "IndexStats": _fmt_index, "ListTenants": _fmt_tenants, "SetTenantLimits": _fmt_tenant,
 }
 
 

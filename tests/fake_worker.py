@@ -327,7 +327,7 @@ class LocalConductor:
     def __enter__(self) -> LocalConductor:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # a start, not a measurement: a busy machine
         while self._server is None or not self._server.started:
             if self._error is not None:
                 raise RuntimeError("local conductor failed") from self._error
