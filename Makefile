@@ -68,6 +68,12 @@ test-hosts: install
 lint: install
 	$(VENV)/bin/ruff check .
 
+# docs/configuration.md from the config classes' fields and docstrings (tests/test_configdoc.py
+# fails while it is stale).
+.PHONY: docs
+docs: install
+	$(PY) -m tools.configdoc
+
 # The scheduler's decision latency at 64x64 instances and a 1M-block index (last line: summary).
 bench-sched: install
 	$(PY) -m benchmarks.bench_sched
