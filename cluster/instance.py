@@ -35,6 +35,7 @@ class InstanceInfo:
     threads: int = 0  # its engine's compute threads (CPU); 0: unknown
     gpus: str = ""  # the accelerators it computes on ("0,1"); "": none
     max_model_len: int = 0  # its engine's context, in tokens; 0: unknown (the model's own)
+    max_seqs: int = 0  # sequences its engine batches at once (max_num_seqs); 0: unknown
     prefill_probe_s: float = 0.0
     """Seconds its engine took at start to prefill `PROBE_TOKENS` tokens (the better of two
     runs): the conductor's first estimate of its speed; 0: not measured."""
@@ -53,7 +54,7 @@ class InstanceInfo:
         host, sep, port = self.address.rpartition(":")
         if not (sep and host and port.isdigit()):
             raise ValueError(f"address must be host:port, not {self.address!r}")
-        for name in ("block_size", "capacity_tokens", "threads", "max_model_len"):
+        for name in ("block_size", "capacity_tokens", "threads", "max_model_len", "max_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{name} must be an int, not {value!r}")

@@ -1,4 +1,5 @@
-"""structlog set-up shared by every process: key=value lines (or JSON) on stderr."""
+"""structlog set-up shared by every process: key=value lines (or JSON) on stderr; tracebacks
+as plain text, never with local variables."""
 
 from __future__ import annotations
 
@@ -13,14 +14,17 @@ def configure(process: str, level: str | None = None, json: bool | None = None) 
     """Configure structlog and stdlib logging once per process; `process` is bound to every line."""
     level_name = (level or os.environ.get("KVCLUSTER_LOG_LEVEL", "INFO")).upper()
     use_json = json if json is not None else os.environ.get("KVCLUSTER_LOG_JSON") == "1"
-    renderer = (structlog.processors.JSONRenderer() if use_json
-                else structlog.dev.ConsoleRenderer(colors=False))
+    # Tracebacks as plain text: a rich traceback renders local variables (request bodies,
+    # keys) and takes the event loop for about a second each.
+    tail = ([structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
+            if use_json else [structlog.dev.ConsoleRenderer(
+                colors=False, exception_formatter=structlog.dev.plain_traceback)])
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso"),
-            renderer,
+            *tail,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping().get(level_name, logging.INFO)),

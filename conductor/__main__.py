@@ -7,15 +7,14 @@ import uvicorn
 from cluster.logging import configure
 from conductor.app import create_app
 from conductor.config import parse_args
+from conductor.http_server import raise_open_files_limit, server_config
 
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     configure("conductor")
-    uvicorn.run(create_app(config), host=config.host, port=config.port, loop="uvloop",
-                http="httptools", log_level="warning", access_log=False,
-                timeout_keep_alive=config.http_keep_alive_s,
-                timeout_graceful_shutdown=5)
+    raise_open_files_limit()
+    uvicorn.Server(server_config(create_app(config), config)).run()
 
 
 if __name__ == "__main__":

@@ -70,6 +70,10 @@ OFFLOAD_BYTES = 16 << 10
 """Bodies larger than this are understood (`Conductor._understand`) off the event loop."""
 
 T = TypeVar("T")
+_Understood = tuple[GenerationRequest, RequestIds, ResponseSpec, list[int],
+                    worker_pb2.SamplingParams]
+"""A request as `Conductor._understand` makes it: validated, its ids, its response's shape,
+its prompt tokens and sampling parameters."""
 
 
 class Membership(Protocol):
@@ -170,12 +174,19 @@ class Conductor:
                                    arrived(request.scope))
         timer.timeline.mark("accepted")
         try:
+            understood = await self._parse(request, chat)
+            # a slot is taken only by a request that arrived whole and parsed: clients holding
+            # half-sent bodies take none
             if self.in_flight >= self.config.max_in_flight:
                 raise Overloaded(f"the conductor holds {self.in_flight} requests, its limit; "
                                  "retry later", code="conductor_full", retry_after=1.0)
             self.in_flight += 1
             timer.on_finish = self._finished
-            return await self._serve(request, chat, timer)
+            return await self._serve(request, understood, timer)
+        except request_body.ClientGone:
+            log.info("client_disconnected", stage="body")
+            timer.end(CLIENT_CLOSED)
+            return _closed()
         except ConductorError as err:
             status = http_status(err)
             if status in (429, 503):
@@ -189,14 +200,19 @@ class Conductor:
             timer.end(500)
             raise
 
-    async def _serve(self, request: Request, chat: bool, timer: RequestTimer) -> Response:
-        raw = await request_body.read(request, self.config.max_body_bytes)
+    async def _parse(self, request: Request, chat: bool) -> _Understood:
+        """The body read (ClientGone if the client leaves first) and understood."""
+        raw = await request_body.read(request, self.config.max_body_bytes,
+                                      self.config.http_body_timeout_s)
         args = (raw, chat, request.headers.get("x-request-id"))
         # A large body's decoding, templating and tokenizing (0.7 ms per 500 tokens) in a
         # thread: the loop, which carries every other stream's tokens, runs meanwhile.
-        req, ids, spec, token_ids, params = (
-            await asyncio.to_thread(self._understand, *args) if len(raw) > OFFLOAD_BYTES
-            else self._understand(*args))
+        return (await asyncio.to_thread(self._understand, *args) if len(raw) > OFFLOAD_BYTES
+                else self._understand(*args))
+
+    async def _serve(self, request: Request, understood: _Understood, timer: RequestTimer
+                     ) -> Response:
+        req, ids, spec, token_ids, params = understood
         request_id = ids.internal
         structlog.contextvars.bind_contextvars(**ids.log())
         tenant = request.scope.get("state", {}).get("tenant", "")
@@ -235,9 +251,7 @@ class Conductor:
                        deltas: AsyncIterator[Delta], timer: RequestTimer) -> dict:
         return await collect(spec, outcome, None, self._observed(deltas, outcome, timer))
 
-    def _understand(self, raw: bytes, chat: bool, header_id: str | None
-                    ) -> tuple[GenerationRequest, RequestIds, ResponseSpec, list[int],
-                               worker_pb2.SamplingParams]:
+    def _understand(self, raw: bytes, chat: bool, header_id: str | None) -> _Understood:
         """The body as a request: validated, its ids, its response's shape, its tokens."""
         body = request_body.decode(raw)
         req: GenerationRequest = parse_chat(body) if chat else parse_completion(body)

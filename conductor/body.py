@@ -1,32 +1,47 @@
-"""A request body, read and decoded: at most `limit` bytes (413 beyond, without reading the
-rest), valid JSON nested no deeper than the decoder can follow, and text that can be encoded
-(400 otherwise). Each of these was a 500, or a 60 MiB body read and parsed in full."""
+"""A request body, read and decoded: whole within a deadline (408 after it), at most `limit`
+bytes (413 beyond, without reading the rest), valid JSON nested no deeper than the decoder can
+follow, text that can be encoded, and numbers Python can read (400 otherwise: an integer
+literal of thousands of digits was a 500)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
-from conductor.errors import InvalidRequest, PayloadTooLarge
+from conductor.errors import InvalidRequest, PayloadTooLarge, RequestTimeout
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 """A JSON escape of a UTF-16 surrogate: only bodies holding one can decode to a lone one."""
 
 
-async def read(request: Request, limit: int) -> bytes:
+class ClientGone(Exception):
+    """The client disconnected before its request's body was whole."""
+
+
+async def read(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, whole within `timeout_s` (RequestTimeout: 408), at most `limit` bytes;
+    ClientGone if the client leaves first."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:  # chunked, or a Content-Length that lied
-            raise _too_large(limit)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:  # chunked, or a Content-Length that lied
+                    raise _too_large(limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise RequestTimeout(f"The request body did not arrive within {timeout_s:g} s "
+                             "(--http-body-timeout-s)", code="body_timeout") from None
+    except ClientDisconnect:
+        raise ClientGone from None
     return b"".join(chunks)
 
 
@@ -39,6 +54,8 @@ def decode(raw: bytes) -> object:
         raise InvalidRequest(f"Invalid JSON body: {e}") from None
     except RecursionError:
         raise InvalidRequest("Invalid JSON body: nested too deeply") from None
+    except ValueError as e:  # an integer literal past Python's digit limit
+        raise InvalidRequest(f"Invalid JSON body: {str(e)[:120]}") from None
     return body
 
 

@@ -31,6 +31,14 @@ class ConductorConfig:
     """An idle client connection stays open this long. Longer than HTTP clients' own idle
     expiry (httpx and the OpenAI SDK: 5 s, aiohttp: 15 s): at equal times a client can send on
     a connection the conductor is closing and meet a reset, not an answer."""
+    http_head_timeout_s: float = 15.0
+    """A request's head (request line and headers) must arrive within this long of its first
+    byte (or of the connection being opened), else the connection is closed."""
+    http_body_timeout_s: float = 30.0
+    """A request's body must arrive within this long of its head, else 408."""
+    http_send_timeout_s: float = 30.0
+    """A client that reads nothing of its answer for this long (the server cannot send) is
+    disconnected, and a stream's engine work aborted."""
     policy: str = DEFAULT_POLICY
     """Routing policy: kv_centric | cache_aware | least_loaded | round_robin | random."""
     membership_prefix: str = "/kvcluster/instances/"
@@ -96,6 +104,10 @@ class ConductorConfig:
     breaker_cooldown_s: float = 2.0
     """An instance whose circuit breaker opened (unreachable, or 3 failed calls in a row) is
     not routed to for this long, then tried again."""
+    retry_budget: float = 0.2
+    """Retries (and stream migrations) on other instances may number this share of the
+    requests of the last 10 s, plus 3: beyond it a failure is the answer, so that failures
+    never multiply the load. A request's own retries are at most 2 whatever this is."""
     max_in_flight: int = 1024
     """Requests the conductor holds at once; beyond it new ones get 429 at once."""
     max_body_bytes: int = 16 << 20
@@ -154,9 +166,12 @@ class ConductorConfig:
                      "predicted_ttl_s", "health_interval_s", "breaker_cooldown_s",
                      "pool_sync_s", "stats_interval_s",
                      "max_in_flight", "max_body_bytes", "pool_wait_margin_s",
-                     "http_keep_alive_s"):
+                     "http_keep_alive_s", "http_head_timeout_s", "http_body_timeout_s",
+                     "http_send_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if not 0 <= self.retry_budget <= 10:
+            raise ValueError(f"retry_budget must be in [0, 10], got {self.retry_budget}")
         if self.stall_timeout_s < 0:
             raise ValueError("stall_timeout_s must be 0 (derived) or positive")
         if self.disaggregate not in DISAGGREGATE:

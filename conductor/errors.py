@@ -42,6 +42,12 @@ class ModelNotFound(ConductorError):
     type = "NotFoundError"
 
 
+class RequestTimeout(ConductorError):
+    """The client did not send its request in time (408)."""
+
+    type = "RequestTimeoutError"
+
+
 class Overloaded(ConductorError):
     """The scheduler predicts no pair meets the SLOs: come back later (429)."""
 
@@ -74,6 +80,7 @@ ERROR_TABLE: dict[type[ConductorError], Mapping] = {
     InvalidRequest: Mapping(400, grpc.StatusCode.INVALID_ARGUMENT),
     Unauthorized: Mapping(401, grpc.StatusCode.UNAUTHENTICATED),
     ModelNotFound: Mapping(404, grpc.StatusCode.NOT_FOUND),
+    RequestTimeout: Mapping(408, grpc.StatusCode.DEADLINE_EXCEEDED),
     PayloadTooLarge: Mapping(413, grpc.StatusCode.INVALID_ARGUMENT),
     Overloaded: Mapping(429, grpc.StatusCode.RESOURCE_EXHAUSTED),
     UpstreamFailed: Mapping(502, grpc.StatusCode.UNAVAILABLE),

@@ -65,6 +65,8 @@ class Metrics:
                                   registry=r)
         self.retries_total = Counter("kvcluster_retries", "Worker calls retried, by stage.",
                                      ["stage"], registry=r)
+        self.retries_refused = Counter("kvcluster_retries_refused", "Retries not made: the "
+                                       "retry budget (--retry-budget) was spent.", registry=r)
         self.fallbacks_total = Counter("kvcluster_fallbacks", "Fall-backs taken (e.g. prefill "
                                        "on the decode instance, recompute), by kind.", ["kind"],
                                        registry=r)
@@ -84,6 +86,9 @@ class Metrics:
 
     def retry(self, stage: str) -> None:
         self.retries_total.labels(stage).inc()
+
+    def retry_refused(self) -> None:
+        self.retries_refused.inc()
 
     def fallback(self, kind: str) -> None:
         self.fallbacks_total.labels(kind).inc()

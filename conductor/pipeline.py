@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 import structlog
 
+from cluster.resilience import RetryBudget
 from conductor.calls import close_call_later, settle
 from conductor.config import ConductorConfig
 from conductor.deltas import Delta, from_chunk
@@ -112,6 +113,7 @@ class Pipeline:
         self.tokenizer = tokenizer
         self.router = Router(config, registry)
         self.metrics: ResilienceMetrics | None = None
+        self.retry_budget = RetryBudget(config.retry_budget)
 
     def block_size(self) -> int:
         sizes = {i.info.block_size for i in self.registry.all()}
@@ -125,9 +127,13 @@ class Pipeline:
 
     def prepare(self, request_id: str, token_ids: list[int],
                 params: worker_pb2.SamplingParams, cache_salt: str = "",
-                ttft_slo_s: float | None = None, tbt_slo_s: float | None = None) -> Prepared:
-        """A request the HTTP layer validated, tokenized and parameterised, with its hashes."""
+                ttft_slo_s: float | None = None, tbt_slo_s: float | None = None,
+                loosen_slos: bool = False) -> Prepared:
+        """A request the HTTP layer validated, tokenized and parameterised, with its hashes
+        and the SLOs it runs under (its own only where tighter than the operator's, unless
+        `loosen_slos`: `Router.slos`)."""
         block_size = self.block_size()
+        ttft_slo_s, tbt_slo_s = self.router.slos(ttft_slo_s, tbt_slo_s, loosen_slos)
         return Prepared(
             request_id=request_id,
             token_ids=token_ids,
@@ -144,7 +150,8 @@ class Pipeline:
         """Where the request runs (counted there from now on), or Overloaded / NoCapacity."""
         return self.router.route(prep.request_id, prep.token_ids, prep.block_hashes,
                                  prep.max_tokens, prep.block_size, prep.cache_salt,
-                                 prep.ttft_slo_s, prep.tbt_slo_s, exclude)
+                                 prep.ttft_slo_s, prep.tbt_slo_s, exclude,
+                                 prep.params.n or 1)
 
     # ------------------------------------------------------------------ one request
 
@@ -152,7 +159,8 @@ class Pipeline:
         """Route, prefill beside decode, stream; survive what `conductor.resilience` can."""
         outcome.prompt_tokens = len(prep.token_ids)
         deadline = time.monotonic() + self.config.request_timeout_s
-        rec = Recovery(prep, outcome, self.metrics)
+        self.retry_budget.request()
+        rec = Recovery(prep, outcome, self.metrics, self.retry_budget)
         alone: Instance | None = None  # after a prefill failure: this instance computes it all
         while True:
             dispatch = self._dispatch(rec, alone)
@@ -177,7 +185,7 @@ class Pipeline:
             if alone is not None:
                 dispatch = self.router.pin(prep.request_id, prep.token_ids, prep.block_hashes,
                                            prep.max_tokens, prep.block_size, prep.cache_salt,
-                                           alone)
+                                           alone, prep.params.n or 1)
             else:
                 dispatch = self.route(prep, rec.exclude)
         except ConductorError as e:
@@ -205,7 +213,7 @@ class Pipeline:
             params = prefill_params(prep.params) if hold else None  # `conductor.first_token`
             if params is not None:
                 first_token = asyncio.get_running_loop().create_future()
-            prefill = asyncio.create_task(self._prefill(dispatch, prep, outcome, ready=hold,
+            prefill = asyncio.create_task(self._prefill(dispatch, prep, outcome, rec, ready=hold,
                                                         params=params, first=first_token))
             wait = worker_pb2.PoolWait(blocks=len(prep.token_ids) // prep.block_size,
                                        wait_s=self._wait_s(dispatch), hold=hold)
@@ -219,6 +227,7 @@ class Pipeline:
                                             first=first_token, sent=dispatch.announce):
                 if first:
                     dispatch.first_token(outcome.cached_tokens)
+                    self.registry.call_succeeded(dispatch.decode.instance_id)  # a probe's verdict
                     first = False
                 dispatch.tokens(delta.token_ids, record=delta.index == 0)
                 rec.streamed(delta)
@@ -226,7 +235,9 @@ class Pipeline:
             self.registry.call_succeeded(dispatch.decode.instance_id)
             dispatch.decode_done()
         except WorkerFailure as f:
-            if not isinstance(f, PrefillFailure | Diverged):  # neither is the decode's fault
+            # neither a prefill's failure nor a divergence is the decode's fault, nor is the
+            # request's own failure repeated
+            if not isinstance(f, PrefillFailure | Diverged) and not rec.repeats(f):
                 self._count_failure(f, dispatch)
             raise
         finally:
@@ -282,9 +293,11 @@ class Pipeline:
         return reply
 
     async def _prefill(self, dispatch: Dispatch, prep: Prepared, outcome: Outcome,
-                       ready: bool = False, params: worker_pb2.SamplingParams | None = None,
+                       rec: Recovery | None = None, ready: bool = False,
+                       params: worker_pb2.SamplingParams | None = None,
                        first: asyncio.Future | None = None) -> None:
-        """The Prefill RPC of a disaggregated route; a failure counts against its instance.
+        """The Prefill RPC of a disaggregated route; a failure counts against its instance
+        (unless it repeats the request's previous one, `rec`).
         `ready`: then tell the decode instance, which holds the request until then.
         `params`: the prefill samples the first token with them, and `first` gets its chunk
         (None if the reply has none) as soon as the reply is in."""
@@ -294,7 +307,8 @@ class Pipeline:
             reply = await self._prefill_rpc(dispatch.prefill, prep, dispatch.pool_blocks,
                                             params)
         except WorkerFailure as f:
-            self._count_failure(f, dispatch)
+            if rec is None or not rec.repeats(f):
+                self._count_failure(f, dispatch)
             raise
         tl.mark("prefill_done")
         if first is not None and not first.done():

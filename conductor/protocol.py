@@ -17,6 +17,10 @@ from pydantic.json_schema import SkipJsonSchema
 from conductor.errors import InvalidRequest
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
+"""The wire's (`protos/worker.proto`) integer fields are int32."""
+FLOAT32_MAX = 3.4028234663852886e38
+"""The wire's float fields are float32: a larger finite value would arrive as inf."""
 MAX_STOP_STRINGS = 4
 """vLLM's VLLM_MAX_STOP_STRINGS."""
 MAX_LOGPROBS = 20
@@ -188,7 +192,7 @@ def _check_common(r: GenerationRequest) -> None:
         if v is not None and not -2.0 <= v <= 2.0:
             raise _bad(name, f"{name} must be in [-2, 2], got {v}.")
     if r.repetition_penalty is not None and (not math.isfinite(r.repetition_penalty)
-                                             or r.repetition_penalty <= 0):
+                                             or not 0 < r.repetition_penalty <= FLOAT32_MAX):
         raise _bad("repetition_penalty", "repetition_penalty must be a finite number greater "
                    f"than zero, got {r.repetition_penalty}.")
     t = r.temperature
@@ -201,6 +205,8 @@ def _check_common(r: GenerationRequest) -> None:
         raise _bad("top_p", f"top_p must be in (0, 1], got {r.top_p}.")
     if r.top_k is not None and r.top_k < -1:
         raise _bad("top_k", f"top_k must be 0 (disable), or at least 1, got {r.top_k}.")
+    if r.top_k is not None and r.top_k > INT32_MAX:
+        raise _bad("top_k", f"top_k must be at most {INT32_MAX}, got {r.top_k}.")
     if r.min_p is not None and not 0.0 <= r.min_p <= 1.0:
         raise _bad("min_p", f"min_p must be in [0, 1], got {r.min_p}.")
     n = 1 if r.n is None else r.n

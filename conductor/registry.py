@@ -45,8 +45,8 @@ class Instance:
     """Its health service did not answer SERVING at the last check: not routed to."""
     breaker: Breaker = field(default_factory=lambda: Breaker(2.0, BREAKER_THRESHOLD))
     """Counts worker calls failed in a row (transport or server errors, not the caller's);
-    open: not routed to until its cool-down ends; then half-open: routed again, and the next
-    failure opens it at once."""
+    open: not routed to until its cool-down ends; then half-open: routed one request, the
+    probe, whose first answer closes it and whose failure opens it again."""
     verified: bool = True
     """It proved it holds the cluster secret (`conductor.health`); False until then when the
     cluster has one: not routed to."""
@@ -69,14 +69,14 @@ class Instance:
 
     @property
     def routable(self) -> bool:
-        return (not self.draining and not self.unhealthy and not self.breaker.open
+        return (not self.draining and not self.unhealthy and self.breaker.admits()
                 and self.verified)
 
     @property
     def state(self) -> str:
         return ("unverified" if not self.verified else "unhealthy" if self.unhealthy
                 else "draining" if self.draining else "broken" if self.breaker.open
-                else "serving")
+                else "probing" if self.breaker.prober is not None else "serving")
 
 
 class RegistryListener(Protocol):
@@ -144,7 +144,8 @@ class Registry:
         for iid, info in members.items():
             if iid not in self._instances:
                 channel = aio_channel(info.address, self.tls, keepalive.CLIENT)
-                load = LoadState(iid, info.role, info.block_size, info.capacity_tokens)
+                load = LoadState(iid, info.role, info.block_size, info.capacity_tokens,
+                                 info.max_seqs)
                 load.host, load.threads, load.side = info.host, info.threads, info.side
                 load.cores, load.gpus = cpu_list(info.cpus), cpu_list(info.gpus)
                 stub = worker_pb2_grpc.WorkerStub(channel)
@@ -243,11 +244,31 @@ class Registry:
     def call_succeeded(self, instance_id: str) -> None:
         inst = self._instances.get(instance_id)
         if inst is not None:
+            if inst.breaker.trial:
+                self._snap = None
+                log.info("breaker_closed", instance_id=instance_id)
             inst.breaker.succeeded()
 
+    def dispatched(self, request_id: str, instance_ids: Iterable[str]) -> None:
+        """`request_id` was routed to these instances: a half-open one's probe."""
+        for iid in set(instance_ids):
+            inst = self._instances.get(iid)
+            if inst is not None and inst.breaker.trial and inst.breaker.prober is None:
+                inst.breaker.probe(request_id)
+                self._snap = None
+                log.info("breaker_probe", instance_id=iid, request_id=request_id)
+
+    def released(self, request_id: str, instance_ids: Iterable[str]) -> None:
+        """`request_id` ended there: a probe that gave no verdict lets the next request probe."""
+        for iid in set(instance_ids):
+            inst = self._instances.get(iid)
+            if inst is not None and inst.breaker.prober == request_id:
+                inst.breaker.abandon_probe(request_id)
+                self._snap = None
+
     def _half_open(self, now: float) -> None:
-        """Breakers whose cool-down ended let traffic through again (half-open: one more
-        failure opens them at once, as `failures` stays at the threshold)."""
+        """Breakers whose cool-down ended take a probe (half-open: one more failure opens
+        them at once, as `failures` stays at the threshold)."""
         nxt = float("inf")
         for inst in self._instances.values():
             if inst.breaker.half_open(now):

@@ -16,10 +16,13 @@ retried. A failure of an instance is survived where something else can run the r
   continues from what was sent, on any decode instance (that one included), like a
   migration.
 
-Every retry waits a jittered, doubling backoff, and a failed instance counts towards its
-circuit breaker (the mechanisms, shared with the pool and membership: `cluster/resilience.py`).
-When nothing else can run the request, the
-latest failure is the answer. Each path counts in the request's `Outcome` and the metrics,
+Every retry and migration takes from the conductor's retry budget (a share of recent
+requests, `--retry-budget`: failures never multiply the load) and waits a jittered, doubling
+backoff; a failed instance counts towards its circuit breaker (the mechanisms, shared with the
+pool and membership: `cluster/resilience.py`). The same engine error from a second instance
+is the request's own: it is the answer, and the second instance's breaker does not count it.
+When nothing else can run the request, or the budget is spent, the latest failure is the
+answer. Each path counts in the request's `Outcome` and the metrics,
 and logs a marker (`retry`, `fallback_prefill_on_decode`, `stream_migrated`).
 """
 
@@ -33,7 +36,7 @@ from typing import TYPE_CHECKING, Protocol
 import grpc
 import structlog
 
-from cluster.resilience import Backoff
+from cluster.resilience import Backoff, RetryBudget
 from conductor.errors import ConductorError, Timeout, UpstreamFailed, from_worker_status
 from protos import worker_pb2
 from store.block_hash import extend_hashes
@@ -65,12 +68,15 @@ UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
 class WorkerFailure(Exception):
     """A worker call failed; `error` is what the client gets if nothing else works."""
 
-    def __init__(self, instance: str, code: grpc.StatusCode, error: ConductorError) -> None:
+    def __init__(self, instance: str, code: grpc.StatusCode, error: ConductorError,
+                 details: str = "") -> None:
         super().__init__(error.message)
         self.instance = instance
         self.code = code
         self.error = error
         self.retryable = code in RETRYABLE
+        self.details = details
+        """What the worker said (its gRPC status details); empty: the conductor's own."""
 
 
 class PrefillFailure(WorkerFailure):
@@ -78,22 +84,28 @@ class PrefillFailure(WorkerFailure):
 
     @classmethod
     def of(cls, f: WorkerFailure) -> PrefillFailure:
-        return cls(f.instance, f.code, f.error)
+        return cls(f.instance, f.code, f.error, f.details)
 
 
 class ResilienceMetrics(Protocol):
     """Where the failure paths taken are counted (`conductor.metrics.Metrics`)."""
 
     def retry(self, stage: str) -> None: ...
+    def retry_refused(self) -> None: ...
     def fallback(self, kind: str) -> None: ...
     def migration(self) -> None: ...
+
+
+ENGINE_ERRORS = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
+"""Failures a worker reports of its engine (not of its transport): the same one from two
+instances is the request's own (`Recovery.repeats`)."""
 
 
 def rpc_failure(e: grpc.aio.AioRpcError, instance: str, stage: str) -> WorkerFailure:
     log.warning("worker_rpc_failed", instance=instance, stage=stage, code=e.code().name,
                 details=e.details())
     return WorkerFailure(instance, e.code(), from_worker_status(
-        e.code(), f"{stage} on {instance}: {e.details()}"))
+        e.code(), f"{stage} on {instance}: {e.details()}"), e.details() or "")
 
 
 def stalled(instance: str, seconds: float) -> WorkerFailure:
@@ -153,6 +165,9 @@ class Recovery:
     prep: Prepared
     outcome: Outcome
     metrics: ResilienceMetrics | None = None
+    budget: RetryBudget | None = None
+    """The conductor's retry budget: retries and migrations take from it (None: no limit
+    but the request's own)."""
     exclude: set[str] = field(default_factory=set)
     """Instances that failed this request."""
     sent: list[int] = field(default_factory=list)
@@ -182,13 +197,15 @@ class Recovery:
         o = self.outcome
         if isinstance(f, Diverged) and o.migrations < MAX_MIGRATIONS and _continuable(
                 self.prep):
-            self.current = _continued(self.prep, self.sent, o.migrations + 1)
-            self.broken = f
-            return Next.MIGRATE
+            return self._migrate(f)
+        if self.repeats(f):
+            log.warning("request_failed_alike", request_id=self.prep.request_id,
+                        failed=[self.last.instance, f.instance], error=f.code.name)
+            raise f.error
         self.exclude.add(f.instance)
         self.last = f
         if isinstance(f, PrefillFailure):
-            if other_prefill and o.retries < MAX_RETRIES:
+            if other_prefill and o.retries < MAX_RETRIES and self._budget_allows(f):
                 return self._retry("prefill", f)
             o.fallbacks.append("prefill_on_decode")
             if self.metrics is not None:
@@ -199,12 +216,37 @@ class Recovery:
         if self.done and (self.prep.params.n or 1) == 1:
             return Next.DONE
         if not self.sent and o.retries < MAX_RETRIES:
+            if not self._budget_allows(f):
+                raise f.error
             return self._retry("decode", f)
         if self.sent and o.migrations < MAX_MIGRATIONS and _continuable(self.prep):
-            self.current = _continued(self.prep, self.sent, o.migrations + 1)
-            self.broken = f
-            return Next.MIGRATE
+            return self._migrate(f)
         raise f.error
+
+    def repeats(self, f: WorkerFailure) -> bool:
+        """`f` is the engine error the previous instance gave too: the request's own failure,
+        not the instances' (it is not retried again, nor counted against the instance)."""
+        last = self.last
+        return (last is not None and f.code in ENGINE_ERRORS and bool(f.details)
+                and f.instance != last.instance and (f.code, f.details) == (last.code,
+                                                                            last.details))
+
+    def _budget_allows(self, f: WorkerFailure) -> bool:
+        """Take a retry from the budget (True), or count the refusal (False)."""
+        if self.budget is None or self.budget.try_retry():
+            return True
+        if self.metrics is not None:
+            self.metrics.retry_refused()
+        log.warning("retry_budget_spent", request_id=self.prep.request_id,
+                    failed=f.instance, error=f.code.name)
+        return False
+
+    def _migrate(self, f: WorkerFailure) -> Next:
+        if not self._budget_allows(f):
+            raise f.error
+        self.current = _continued(self.prep, self.sent, self.outcome.migrations + 1)
+        self.broken = f
+        return Next.MIGRATE
 
     def no_route(self, err: ConductorError) -> None:
         """Routing found nowhere to go: after a failure, that failure is the answer."""

@@ -16,7 +16,7 @@ import structlog
 
 from cluster.instance import PROBE_TOKENS
 from conductor.config import ConductorConfig
-from conductor.errors import NoCapacity, Overloaded
+from conductor.errors import InvalidRequest, NoCapacity, Overloaded
 from conductor.registry import Instance, Registry
 from conductor.scheduler.decode_model import TbtFitter
 from conductor.scheduler.index import POOL, KVIndex
@@ -131,6 +131,17 @@ class Router:
         """The default TBT SLO now."""
         return self._base.tbt_slo_s
 
+    def slos(self, ttft_slo_s: float | None, tbt_slo_s: float | None, loosen: bool = False
+             ) -> tuple[float | None, float | None]:
+        """A request's own SLOs as the operator allows them: tighter than the defaults as
+        asked, never looser (a client cannot switch load shedding off), unless `loosen` (its
+        tenant is allowed to). None: the default."""
+        if loosen:
+            return ttft_slo_s, tbt_slo_s
+        base = self._base
+        return (None if ttft_slo_s is None else min(ttft_slo_s, base.ttft_slo_s),
+                None if tbt_slo_s is None else min(tbt_slo_s, base.tbt_slo_s))
+
     # ------------------------------------------------------------------ deciding
 
     def params(self, block_size: int) -> SchedulerParams:
@@ -161,7 +172,7 @@ class Router:
     def route(self, request_id: str, token_ids: list[int], block_hashes: tuple[int, ...],
               max_tokens: int, block_size: int, cache_salt: str = "",
               ttft_slo_s: float | None = None, tbt_slo_s: float | None = None,
-              exclude: Collection[str] = ()) -> Dispatch:
+              exclude: Collection[str] = (), sequences: int = 1) -> Dispatch:
         """Choose where the request runs and count it there; raise Overloaded (429) or
         NoCapacity (503) instead when it cannot be placed. `exclude`: instances this request
         must not use (they failed it)."""
@@ -171,9 +182,10 @@ class Router:
         if exclude:
             snap = ClusterSnapshot(tuple(i for i in snap.instances
                                          if i.instance_id not in exclude), now, snap.params)
+        _fits_somewhere(snap, len(token_ids), max_tokens, sequences)
         self._seq += 1
         req = RouteRequest(len(token_ids), block_hashes, self.index.match(block_hashes),
-                           max_tokens, self._seq, ttft_slo_s, tbt_slo_s)
+                           max_tokens, self._seq, ttft_slo_s, tbt_slo_s, sequences)
         decision = self.policy(snap, req)
         if decision is None:
             missing = [role for role, have in (("prefill", snap.prefill()),
@@ -189,25 +201,48 @@ class Router:
         p, d = self.registry.get(decision.prefill_id), self.registry.get(decision.decode_id)
         if p is None or d is None:
             raise NoCapacity("the chosen instance left the cluster")
+        self.registry.dispatched(request_id, (p.instance_id, d.instance_id))
         loadable = loadable_blocks(len(token_ids), block_size)
         pool = min(req.match.pool, loadable)
         tail = list(token_ids[len(block_hashes) * block_size:])
         return Dispatch(self, decision, p, d, request_id, len(token_ids), tail, block_hashes,
                         block_size, cache_salt, max_tokens, now, pool,
-                        decode_has_prompt=req.match.local.get(d.instance_id, 0) >= loadable)
+                        decode_has_prompt=req.match.local.get(d.instance_id, 0) >= loadable,
+                        sequences=sequences)
 
     def pin(self, request_id: str, token_ids: list[int], block_hashes: tuple[int, ...],
-            max_tokens: int, block_size: int, cache_salt: str, inst: Instance) -> Dispatch:
+            max_tokens: int, block_size: int, cache_salt: str, inst: Instance,
+            sequences: int = 1) -> Dispatch:
         """The request on `inst` alone, whatever the policy would choose (a fall-back: the
         prefill beside it failed)."""
         now = time.monotonic()
+        self.registry.dispatched(request_id, (inst.instance_id,))
         match = self.index.match(block_hashes)
         pool = min(match.pool, loadable_blocks(len(token_ids), block_size))
         route = Route(prefill_id=inst.instance_id, decode_id=inst.instance_id,
                       cached_blocks=pool, uncached_tokens=len(token_ids) - pool * block_size)
         tail = list(token_ids[len(block_hashes) * block_size:])
         return Dispatch(self, route, inst, inst, request_id, len(token_ids), tail, block_hashes,
-                        block_size, cache_salt, max_tokens, now, pool)
+                        block_size, cache_salt, max_tokens, now, pool, sequences=sequences)
+
+
+def _fits_somewhere(snap: ClusterSnapshot, prompt_tokens: int, max_tokens: int,
+                    sequences: int) -> None:
+    """InvalidRequest for a request no decode-capable instance could run even idle: more
+    sequences than any batches at once, or more KV than any holds (waiting would not help)."""
+    decodes = snap.decode()
+    if not decodes:
+        return
+    if all(d.max_seqs for d in decodes) and sequences > max(d.max_seqs for d in decodes):
+        raise InvalidRequest(f"n={sequences} is more sequences than any instance runs at once "
+                             f"({max(d.max_seqs for d in decodes)})", param="n")
+    need = prompt_tokens + max_tokens * sequences
+    if all(d.kv_capacity_tokens for d in decodes) and need > max(
+            d.kv_capacity_tokens for d in decodes):
+        raise InvalidRequest(
+            f"the prompt and {sequences} x max_tokens={max_tokens} need {need} KV tokens, more "
+            f"than any instance holds ({max(d.kv_capacity_tokens for d in decodes)}): ask for "
+            "fewer tokens or choices", param="max_tokens" if sequences == 1 else "n")
 
 
 @dataclass(eq=False)
@@ -233,6 +268,8 @@ class Dispatch:
     decode_has_prompt: bool = False
     """The decode instance's own cache holds every loadable block (the index's view): a
     disaggregated decode need not wait for the prefill beside it."""
+    sequences: int = 1
+    """The choices it decodes at once (`n`)."""
     _prefill_open: bool = True
     _decode_open: bool = True
     _solo: bool = False
@@ -259,7 +296,7 @@ class Dispatch:
             True if until >= now + r.predicted_ttft_s else None)
         p.add_prefill(self.request_id, n, r.uncached_tokens, r.prefill_s, now)
         finish = now + r.predicted_ttft_s + self.max_tokens * r.predicted_tbt_s
-        d.add_decode(self.request_id, n, finish)
+        d.add_decode(self.request_id, n, finish, self.sequences)
         # What this request will leave behind, until events or replies confirm it: in the
         # prefilling engine's cache from now on (a request queued behind it there finds the
         # prefix computed; its queue is priced); in the pool and a disaggregated route's
@@ -407,6 +444,8 @@ class Dispatch:
         if self._decode_open:
             self._decode_open = False
             self.decode.load.end_decode(self.request_id)
+            self.router.registry.released(self.request_id, (self.prefill.instance_id,
+                                                            self.decode.instance_id))
 
     def _end_prefill(self, now: float) -> tuple[bool, float]:
         """Close the prefill; (whether it ran alone, its service time) for `_timed`."""

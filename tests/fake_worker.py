@@ -352,6 +352,7 @@ class LocalConductor:
     async def _main(self) -> None:
         from conductor.app import create_app
         from conductor.config import parse_args
+        from conductor.http_server import server_config
 
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
@@ -378,17 +379,17 @@ class LocalConductor:
                 guard.bind(self.addresses[iid])
             members[iid] = InstanceInfo(instance_id=iid, role=role, address=f"127.0.0.1:{port}",
                                         model="fake", block_size=32, capacity_tokens=1 << 20,
-                                        version="test", max_model_len=self.max_model_len)
+                                        version="test", max_model_len=self.max_model_len,
+                                        max_seqs=64)
         config = parse_args(["--model", self.model_dir, "--etcd", "127.0.0.1:1",
                              "--port", str(self.port), "--kv-events", "false",
                              "--secret-file", self.secret_file, "--tls-dir", self.tls_dir,
                              *self.conductor_args])
         app = self.app = create_app(config,
                                     membership=lambda on_change: StaticMembership(members))
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                     loop="asyncio", log_level="warning",
-                                                     lifespan="on",
-                                                     timeout_keep_alive=config.http_keep_alive_s))
+        self._server = uvicorn.Server(server_config(app, config, host="127.0.0.1",
+                                                    port=self.port, loop="asyncio",
+                                                    lifespan="on"))
         serving = asyncio.ensure_future(self._server.serve(sockets=[self._sock]))
         await self._stop.wait()
         await serving

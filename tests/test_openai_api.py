@@ -163,6 +163,8 @@ def test_max_tokens_is_clamped_to_the_context(client, local, model, tokenizer):
     ({"temperature": -1}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"top_k": -2}, "top_k"),
+    ({"top_k": 2**31}, "top_k"),  # past the wire's int32: once a 500
+    ({"repetition_penalty": 1e300}, "repetition_penalty"),  # inf as a float32
     ({"presence_penalty": 3}, "presence_penalty"),
     ({"n": 0}, "n"),
     ({"n": 2, "temperature": 0}, "n"),
@@ -231,7 +233,8 @@ def test_unknown_model_is_404_and_bad_json_is_400(client, local):
     b'{"messages": [{"role": "user", "content": "\\udfff"}]}',  # chat content
     b'{"prompt": "x", "cache_salt": "\\ud83d"}',      # a salt
     b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",  # nested past the decoder
-], ids=["prompt", "chat", "salt", "nested"])
+    b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",  # past Python's int digits
+], ids=["prompt", "chat", "salt", "nested", "huge_int"])
 def test_text_no_encoder_takes_and_deep_nesting_are_400_not_500(local, body):
     path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
     before = local.worker("decode").counts.generates
@@ -406,6 +409,20 @@ def test_scheduler_overload_is_429_with_retry_after(model_dir):
                                       prompt="word " * 200)
         assert int(e.value.response.headers["retry-after"]) >= 1
         assert "kvcluster_rejections_total" in httpx.get(f"{c.url}/metrics").text
+        # a client cannot switch load shedding off by asking for looser SLOs than the operator's
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model=c.model_dir.rstrip("/").split("/")[-1],
+                                      prompt="word " * 200, extra_body={
+                                          "ttft_slo_ms": 3_600_000, "tbt_slo_ms": 3_600_000})
+
+
+def test_a_request_no_instance_could_ever_run_is_400(client, model):
+    """More choices than any engine batches at once, or more KV than any holds: waiting
+    would not help, so it is no 429 (and never admitted to hold an engine for minutes)."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="hello", max_tokens=4, n=100)
+    assert e.value.body["param"] == "n" and "at once (64)" in e.value.body["message"]
+    assert client.completions.create(model=model, prompt="hello", max_tokens=4, n=64).choices
 
 
 def test_a_per_request_slo_rejects_only_that_request(client, model):

@@ -138,6 +138,37 @@ def test_a_client_error_from_the_worker_is_not_retried(model_dir):
         assert metric(c.url, "kvcluster_retries_total", stage="prefill") == 0
 
 
+def test_a_request_failing_alike_on_two_instances_is_its_own_failure(model_dir):
+    """The same engine error from two instances is the request's, not theirs: it is not tried
+    on a third, and only the first instance's breaker counts it."""
+    with LocalConductor(model_dir, roles=("decode", "decode", "decode"),
+                        knobs=Knobs(fail_after_chunks=0)) as c:
+        r = complete(c.url, PROMPT)
+        assert r.status_code == 502 and "injected engine error" in r.text
+        assert sum(w.counts.generates for w in c.workers.values()) == 2
+        registry = c.app.state.conductor.registry
+        assert sorted(registry.get(i).breaker.failures for i in c.workers) == [0, 0, 1]
+        assert metric(c.url, "kvcluster_retries_total", stage="decode") == 1
+
+
+def test_retries_stop_at_their_share_of_the_traffic(model_dir):
+    """A retry budget: once retries pass their share of recent requests (beyond a small
+    floor), a failure is the answer instead of another instance's time."""
+    budget = [100]  # every decode fails, but differently each time (not the request's own)
+    with LocalConductor(model_dir, roles=("decode", "decode", "decode"),
+                        knobs=Knobs(fail_after_chunks=0, fail_budget=budget,
+                                    decode_status=grpc.StatusCode.UNAVAILABLE),
+                        conductor_args=("--retry-budget", "0.1",
+                                        "--breaker-cooldown-s", "0.001")) as c:
+        answers = [complete(c.url, PROMPT + [n]).status_code for n in range(12)]
+        assert set(answers) <= {502, 503}
+        retries = metric(c.url, "kvcluster_retries_total", stage="decode")
+        refused = metric(c.url, "kvcluster_retries_refused_total")
+        assert refused >= 1, answers
+        # the floor of 3, then a tenth of the 12 requests: the 5th retry was the last
+        assert retries <= 5 and retries + refused >= 12, (retries, refused)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_nothing_healthy_is_a_fast_503(model_dir, stream):
     with LocalConductor(model_dir, roles=("prefill", "decode"),

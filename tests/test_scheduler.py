@@ -41,14 +41,15 @@ NOW = 1000.0
 def inst(iid: str, role: str = "prefill", *, queue_s: float = 0.0, in_flight: int = 0,
          running: int = 0, kv_tokens: int = 0, capacity: int = 0,
          finishes: tuple[float, ...] = (), cached_blocks: int = 0, cores: str = "",
-         threads: int = 0) -> InstanceLoad:
+         threads: int = 0, max_seqs: int = 0) -> InstanceLoad:
     """An instance whose prefill queue drains `queue_s` after NOW; `cores` and `threads`:
     where it computes on host "h" (empty: unknown)."""
     return InstanceLoad(instance_id=iid, role=role, in_flight=in_flight, queued_prompt_tokens=0,
                         block_size=BS, busy_until=NOW + queue_s if queue_s else 0.0,
                         running=running, kv_tokens=kv_tokens, kv_capacity_tokens=capacity,
                         finishes=finishes, cached_blocks=cached_blocks,
-                        host="h" if cores else "", cores=cpu_list(cores), threads=threads)
+                        host="h" if cores else "", cores=cpu_list(cores), threads=threads,
+                        max_seqs=max_seqs)
 
 
 def snap(*instances: InstanceLoad, **params: object) -> ClusterSnapshot:
@@ -165,6 +166,35 @@ def test_decode_without_free_kv_is_skipped():
     s = snap(inst("p0"), inst("d0", "decode", kv_tokens=9_000, capacity=10_000),
              inst("d1", "decode", running=5, kv_tokens=1_000, capacity=10_000))
     assert pair(kv_centric(s, request(1024, max_tokens=100)))[1] == "d1"
+
+
+@pytest.mark.parametrize("disaggregate", ["always", "never"])
+def test_every_sequence_of_a_request_takes_a_batch_slot(disaggregate):
+    """A request sampling 8 choices does not fit beside 60 of an engine's 64 sequences: it
+    would wait in the engine's queue, unpriced. The emptier instance takes it; with none,
+    a 429 until enough finish."""
+    full = dict(running=60, finishes=(NOW + 9.0,) * 60, max_seqs=64)
+    s = snap(inst("p0"), inst("d0", "both", **full), inst("d1", "both", running=56,
+                                                           max_seqs=64),
+             disaggregate=disaggregate)
+    # d0 holds the whole prompt: only its batch being full sends the request elsewhere
+    four, eight = (dataclasses.replace(request(2048, d0=63), sequences=n)
+                   for n in (4, 8))
+    assert pair(kv_centric(s, four))[1] == "d0"
+    assert pair(kv_centric(s, eight))[1] == "d1"
+    s = snap(inst("p0"), inst("d0", "both", **full), disaggregate=disaggregate)
+    out = kv_centric(s, eight)
+    assert isinstance(out, Reject) and out.retry_after_s == pytest.approx(9.0)
+
+
+def test_every_sequence_reserves_its_output_kv_and_a_share_of_the_steps():
+    s = snap(inst("p0"), inst("d0", "decode", capacity=10_000),
+             inst("d1", "decode", running=2, capacity=100_000),
+             tbt=TbtModel(0.0, 0.01, 0.0), tbt_slo_s=1.0)
+    many = dataclasses.replace(request(1024, max_tokens=1_000), sequences=16)
+    route = kv_centric(s, many)
+    assert pair(route)[1] == "d1"  # 1,024 + 16 x 1,000 tokens do not fit d0's 10,000
+    assert route.predicted_tbt_s == pytest.approx(0.18)  # 2 running + 16
 
 
 def test_no_decode_within_tbt_slo_rejects_with_retry_after():
@@ -522,6 +552,17 @@ def test_decode_load_counts_from_dispatch_and_releases():
     load.end_decode("a")
     load.end_decode("a")
     assert load.view().kv_tokens == 200
+
+
+def test_a_request_of_n_choices_decodes_n_sequences():
+    load = LoadState("d0", "decode", BS, max_seqs=64)
+    load.add_decode("a", 300, finish_at=5.0, sequences=4)
+    load.add_decode("b", 200, finish_at=3.0)
+    v = load.view()
+    assert (v.running, v.in_flight, v.kv_tokens, v.max_seqs) == (5, 2, 500, 64)
+    assert v.finishes == (3.0, 5.0, 5.0, 5.0, 5.0)
+    load.end_decode("a")
+    assert load.view().finishes == (3.0,) and load.running() == 1
 
 
 def test_a_local_prefill_is_one_request_in_flight():

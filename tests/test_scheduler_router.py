@@ -59,6 +59,28 @@ async def test_a_broken_instance_serves_again_after_its_cooldown_without_traffic
     assert registry.get("d0").state == "serving"
 
 
+async def test_a_half_open_instance_takes_one_request_until_it_answers(model_dir):
+    """After its cool-down a broken instance is tried with one request, not all of them: the
+    others go elsewhere (here: nowhere else can decode, so 503) until the probe's first
+    token closes the breaker."""
+    router, registry = await _router(model_dir)
+    tokens = list(range(100))
+    hashes = tuple(block_hashes(tokens, BS))
+    registry.call_failed("d0", fatal=True, cooldown_s=0.05)
+    wait_until(lambda: registry.all() and registry.get("d0").breaker.admits(), timeout=5)
+    probe = router.route("a", tokens, hashes, 16, BS)
+    assert probe.decode.instance_id == "d0" and registry.get("d0").state == "probing"
+    with pytest.raises(NoCapacity):
+        router.route("b", tokens, hashes, 16, BS)
+    probe.release()  # ended without a verdict (its client left): the next request probes
+    again = router.route("c", tokens, hashes, 16, BS)
+    registry.call_succeeded("d0")  # its first token
+    assert registry.get("d0").state == "serving"
+    router.route("d", tokens, hashes, 16, BS).release()
+    router.route("e", tokens, hashes, 16, BS).release()
+    again.release()
+
+
 def test_block_bytes_follow_the_model_geometry(model_dir):
     assert kv_block_bytes(model_dir, BS) == 2 * 4 * 2 * 64 * 4 * BS
 

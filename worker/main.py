@@ -68,6 +68,7 @@ async def _serve(config: WorkerConfig, engine: Engine) -> bool:
         started_at=time.time(),
         kv_namespace=engine.namespace,
         max_model_len=config.max_model_len,
+        max_seqs=config.max_num_seqs,
         prefill_probe_s=probe_s,
         side=config.side,
         **placement(config.device),

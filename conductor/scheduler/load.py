@@ -12,7 +12,7 @@ when each is predicted to finish.
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,15 +29,17 @@ class _Decode:
     prompt_tokens: int
     generated: int
     finish_at: float
+    sequences: int = 1
 
 
 class LoadState:
     def __init__(self, instance_id: str, role: str, block_size: int,
-                 kv_capacity_tokens: int = 0) -> None:
+                 kv_capacity_tokens: int = 0, max_seqs: int = 0) -> None:
         self.instance_id = instance_id
         self.role = role
         self.block_size = block_size
         self.kv_capacity_tokens = kv_capacity_tokens
+        self.max_seqs = max_seqs
         self._prefills: dict[str, tuple[float, int, int]] = {}
         """request id -> (predicted seconds, prompt tokens, uncached tokens)"""
         self._work_s = 0.0
@@ -48,7 +50,7 @@ class LoadState:
         self.queued_uncached_tokens = 0
         self.dispatched_total = 0
         self._finishes: list[float] = []
-        """the decodes' finish_at, ascending"""
+        """the decoding sequences' finish_at, ascending (a request's once per sequence)"""
         self._both = 0
         """requests counted in both `_prefills` and `_decodes` (prefill and decode here)"""
         self._unseen = 0
@@ -147,11 +149,14 @@ class LoadState:
 
     # ------------------------------------------------------------------ decode
 
-    def add_decode(self, request_id: str, prompt_tokens: int, finish_at: float) -> None:
+    def add_decode(self, request_id: str, prompt_tokens: int, finish_at: float,
+                   sequences: int = 1) -> None:
+        """A decode request of `sequences` choices sharing one prompt's KV."""
         if request_id in self._decodes:
             self.end_decode(request_id)
-        self._decodes[request_id] = _Decode(prompt_tokens, 0, finish_at)
-        insort(self._finishes, finish_at)
+        self._decodes[request_id] = _Decode(prompt_tokens, 0, finish_at, sequences)
+        at = bisect_left(self._finishes, finish_at)
+        self._finishes[at:at] = [finish_at] * sequences
         self.kv_tokens += prompt_tokens
         if request_id in self._prefills:
             self._both += 1
@@ -176,12 +181,14 @@ class LoadState:
         if d is not None:
             self.kv_tokens -= d.prompt_tokens + d.generated
             f = self._finishes
-            del f[bisect_left(f, d.finish_at)]
+            at = bisect_left(f, d.finish_at)
+            del f[at:at + d.sequences]
             self._both -= request_id in self._prefills
             self._changed()
 
     def running(self) -> int:
-        return len(self._decodes)
+        """Sequences decoding here (a request of `n` choices counts `n`)."""
+        return len(self._finishes)
 
     def streams_until(self) -> float:
         """When the last of its decodes is predicted to finish (0: none)."""
@@ -205,10 +212,11 @@ class LoadState:
             block_size=self.block_size,
             queued_uncached_tokens=self.queued_uncached_tokens,
             busy_until=self._head_started + self._work_s if self._prefills else 0.0,
-            running=len(self._decodes),
+            running=len(self._finishes),
             kv_tokens=self.kv_tokens,
             kv_capacity_tokens=self.kv_capacity_tokens,
             finishes=tuple(self._finishes),
+            max_seqs=self.max_seqs,
             cached_blocks=cached_blocks,
             host=self.host,
             cores=self.cores,

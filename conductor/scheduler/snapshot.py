@@ -45,13 +45,18 @@ class InstanceLoad:
     busy_until: float = 0.0
     """When its queued prefill work is predicted to end (monotonic seconds, as `now`)."""
     running: int = 0
-    """Decode requests dispatched to it and not finished (counted before their prefill ends)."""
+    """Sequences decoding on it: those of the decode requests dispatched to it and not
+    finished (a request sampling `n` choices runs `n`), counted before their prefill ends."""
     kv_tokens: int = 0
     """KV tokens its decode requests hold now (prompt + generated so far)."""
     kv_capacity_tokens: int = 0
     """Its KV cache size in tokens; 0 means unknown (never full)."""
     finishes: tuple[float, ...] = ()
-    """Predicted finish times of its decode requests, ascending (monotonic seconds)."""
+    """Predicted finish times of its decoding sequences, ascending (monotonic seconds): a
+    request of `n` choices appears `n` times."""
+    max_seqs: int = 0
+    """Sequences its engine runs at once (vLLM's `max_num_seqs`); 0: unknown (unbounded).
+    A request whose sequences do not fit waits inside the engine for others to finish."""
     cached_blocks: int = 0
     """Blocks the index holds for its local cache."""
     host: str = ""
@@ -280,7 +285,11 @@ class RouteRequest:
     """The conductor's request counter: round_robin and random derive their choice from it."""
     ttft_slo_s: float | None = None
     tbt_slo_s: float | None = None
-    """Per-request SLOs; None: the snapshot's defaults."""
+    """Per-request SLOs; None: the snapshot's defaults. The router passes only SLOs the
+    operator allows (`Router.slos`): a client tightens them, never loosens them."""
+    sequences: int = 1
+    """Sequences the request decodes at once (`n`): each takes a slot of the engine's batch,
+    `max_tokens` of KV and a share of every step."""
 
 
 @dataclass(frozen=True)

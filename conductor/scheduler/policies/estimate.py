@@ -34,7 +34,8 @@ def describe(snap: ClusterSnapshot, req: RouteRequest, prefill: InstanceLoad,
              decode: InstanceLoad) -> Route:
     """A Route with the predictions filled in, for policies that choose by other means."""
     cached, uncached, compute, ttft = prefill_cost(snap, req, prefill)
-    tbt = snap.params.tbt.predict(decode.running + 1, decode.kv_tokens + req.num_prompt_tokens)
+    tbt = snap.params.tbt.predict(decode.running + req.sequences,
+                                  decode.kv_tokens + req.num_prompt_tokens)
     return Route(prefill_id=prefill.instance_id, decode_id=decode.instance_id,
                  cached_blocks=cached, uncached_tokens=uncached, prefill_s=compute,
                  predicted_ttft_s=ttft + tbt, predicted_tbt_s=tbt)

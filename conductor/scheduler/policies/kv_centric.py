@@ -50,7 +50,14 @@ from __future__ import annotations
 from bisect import bisect_right
 
 from conductor.scheduler.policies.estimate import loadable_blocks
-from conductor.scheduler.snapshot import ClusterSnapshot, Reject, Route, RouteRequest, contention
+from conductor.scheduler.snapshot import (
+    ClusterSnapshot,
+    InstanceLoad,
+    Reject,
+    Route,
+    RouteRequest,
+    contention,
+)
 
 _RETRY_MIN_S = 1.0
 _RETRY_MAX_S = 60.0
@@ -79,7 +86,7 @@ def kv_centric(snap: ClusterSnapshot, req: RouteRequest) -> Route | Reject | Non
         now = snap.now
         wait = earliest_free - now if earliest_free != float("inf") else _RETRY_MIN_S
         return Reject(f"no decode instance is predicted to keep TBT within {tbt_slo:.3f}s "
-                      "with free KV for this request", _clamp(wait))
+                      "with free KV and batch room for this request", _clamp(wait))
     best = min(routes, key=lambda r: r.cost_s)
     fast = [r for r in routes if r.predicted_ttft_s <= ttft_slo]
     if not fast:
@@ -147,10 +154,11 @@ def _disaggregated(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
 
     # ---- decode side, at the time the prefill is predicted to end
     tm = prm.tbt
-    base = tm.base_s + tm.per_seq_s + tm.per_kv_token_s * n  # + this request
+    seqs = req.sequences
+    base = tm.base_s + tm.per_seq_s * seqs + tm.per_kv_token_s * n  # + this request
     per_seq = tm.per_seq_s
     arrive = now + ttft_p
-    kv_need = n + req.max_tokens
+    kv_need = n + req.max_tokens * seqs
     full_pull = tfix + loadable * tpb if loadable else 0.0
     best = None  # (score, d, tbt, pull, stall, busy)
     earliest_free = float("inf")
@@ -158,9 +166,9 @@ def _disaggregated(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
         if iid == p.instance_id:
             continue
         tbt = base + load_s
-        if fin and fin[0] <= arrive:
-            tbt -= per_seq * bisect_right(fin, arrive)
-        if tbt > tbt_slo or room < kv_need:
+        done = bisect_right(fin, arrive) if fin and fin[0] <= arrive else 0
+        tbt -= per_seq * done
+        if tbt > tbt_slo or room < kv_need or not _fits(d, d.running - done, seqs):
             if fin and fin[0] < earliest_free:
                 earliest_free = fin[0]
             continue
@@ -202,9 +210,10 @@ def _local(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
         pool = min(req.match.pool, loadable)
         hit = min(local.get(d.instance_id, 0), loadable) if local else 0
         running = d.running - bisect_right(d.finishes, now)
-        tbt = prm.tbt.predict(running + 1, d.kv_tokens + n)
-        if tbt > tbt_slo or (d.kv_capacity_tokens
-                             and d.kv_tokens + n + req.max_tokens > d.kv_capacity_tokens):
+        tbt = prm.tbt.predict(running + req.sequences, d.kv_tokens + n)
+        if tbt > tbt_slo or not _fits(d, running, req.sequences) or (
+                d.kv_capacity_tokens and d.kv_tokens + n + req.max_tokens * req.sequences
+                > d.kv_capacity_tokens):
             if d.finishes and d.finishes[0] < earliest_free:
                 earliest_free = d.finishes[0]
             continue
@@ -225,6 +234,12 @@ def _local(snap: ClusterSnapshot, req: RouteRequest, tbt_slo: float
                          uncached_tokens=n - cached * bs, prefill_s=cost, predicted_ttft_s=ttft,
                          predicted_tbt_s=tbt, cost_s=total)
     return best, earliest_free
+
+
+def _fits(d: InstanceLoad, running: int, sequences: int) -> bool:
+    """`sequences` more fit in `d`'s batch beside the `running` it holds then: beyond its
+    `max_seqs` they would wait in the engine's queue, unpriced."""
+    return not d.max_seqs or running + sequences <= d.max_seqs
 
 
 def _clamp(seconds: float) -> float:
