@@ -68,6 +68,12 @@ test-hosts: install
 lint: install
 	$(VENV)/bin/ruff check .
 
+# docs/configuration.md from the config classes' fields and docstrings (tests/test_configdoc.py
+# fails while it is stale).
+.PHONY: docs
+docs: install
+	$(PY) -m tools.configdoc
+
 # The scheduler's decision latency at 64x64 instances and a 1M-block index (last line: summary).
 bench-sched: install
 	$(PY) -m benchmarks.bench_sched
@@ -90,7 +96,7 @@ bench-serve: install
 
 # Six arms (ours in the chosen shape, in 2P+2D, with round robin; vllm-router P/D and
 # data-parallel; one colocated vLLM server) on real engines and the same cores, four workloads,
-# three interleaved repetitions; results in docs/e2e/ (last line: summary). About an hour.
+# three interleaved repetitions; results in results/e2e/ (last line: summary). About an hour.
 # E2E_ARGS: e.g. --reps 1 --scale 0.1 --arms kv_centric,colocated --workloads multi_turn.
 E2E_ARGS ?=
 .PHONY: bench-e2e
@@ -98,15 +104,15 @@ bench-e2e: install
 	$(PY) -m benchmarks.e2e $(E2E_ARGS)
 
 # Each arm's capacity: the shared-prefix workload at rising arrival rates, the highest rate at
-# which 90% of requests meet the SLOs (~35 min; results in docs/e2e/capacity/)
+# which 90% of requests meet the SLOs (~35 min; results in results/e2e/capacity/)
 CAPACITY_ARGS ?= --arms kv_centric,round_robin,vllm_router,vllm_router_dp,colocated \
-	--workloads shared_prefix --rates 1,2,3,4,5 --reps 3 --prewarm-n '' --out docs/e2e/capacity
+	--workloads shared_prefix --rates 1,2,3,4,5 --reps 3 --prewarm-n '' --out results/e2e/capacity
 .PHONY: bench-capacity
 bench-capacity: install
 	$(PY) -m benchmarks.e2e $(CAPACITY_ARGS)
 
 # Bursts of cold long prompts through make run's shape, with vLLM's step packing and with ours
-# (a step that finishes a prompt carries no other's chunk), alternating; results in docs/burst/
+# (a step that finishes a prompt carries no other's chunk), alternating; results in results/burst/
 # (last line: summary). About 12 minutes. BURST_ARGS: e.g. --reps 1 --bursts 3.
 BURST_ARGS ?=
 .PHONY: bench-burst
@@ -114,19 +120,19 @@ bench-burst: install
 	$(PY) -m benchmarks.bench_burst $(BURST_ARGS)
 
 # Kill workers, the store master and etcd under traffic; classify every answer against a
-# single-engine reference (docs/reliability.md; last line: summary). CHAOS_ARGS: e.g.
-# --requests 40 --faults decode,etcd.
+# single-engine reference (docs/reliability.md; results in results/chaos.json; last line:
+# summary). CHAOS_ARGS: e.g. --requests 40 --faults decode,etcd.
 CHAOS_ARGS ?=
 .PHONY: chaos
 chaos: install
 	$(PY) -m benchmarks.chaos $(CHAOS_ARGS)
 
 # The cluster simulator: every policy over a trace, plus load/capacity/reuse sweeps into
-# docs/sim/ (last line: summary). Runs no engine.
+# results/sim/ (last line: summary). Runs no engine.
 TRACE   ?= ../shared/traces/mooncake_synthetic_trace.jsonl
 .PHONY: bench-sim
 bench-sim: install
-	$(PY) -m simulator --trace $(TRACE) --out docs/sim
+	$(PY) -m simulator --trace $(TRACE) --out results/sim
 
 clean:
 	rm -rf $(VENV) run .pytest_cache protos/*_pb2*.py protos/*_pb2.pyi

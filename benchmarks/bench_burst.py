@@ -29,6 +29,7 @@ from pathlib import Path
 from benchmarks.e2e import calibration, client, systems, workloads
 from benchmarks.e2e.__main__ import BENCH_MODEL, TBT_SLO_S, TTFT_SLO_S
 from benchmarks.machine import describe
+from benchmarks.results import default_out
 from cluster.signals import stop_on_signals
 from worker.dtype import resolve as resolve_dtype
 from worker.vllm_plugin import FINISH_FIRST_ENV
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bursts", type=int, default=6, help="bursts per cluster start")
     p.add_argument("--reps", type=int, default=2, help="cluster starts per variant")
     p.add_argument("--run-dir", default="/tmp/kvcluster-bench-burst")
-    p.add_argument("--out", default="docs/burst")
+    p.add_argument("--out", default=default_out("burst"))
     a = p.parse_args(argv)
     stop_on_signals()
     from transformers import AutoTokenizer

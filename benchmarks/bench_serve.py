@@ -33,6 +33,7 @@ import httpx
 
 from benchmarks import conductor_log
 from benchmarks.machine import StallWatch, cpu_probe_s, describe
+from benchmarks.results import default_out
 from cluster.ports import free_port
 from cluster.process import IPC_ENV, ManagedProcess, vllm_scratch
 from cluster.signals import stop_on_signals
@@ -378,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=60)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reps", type=int, default=1, help="repetitions of every arm, interleaved")
-    p.add_argument("--out", default=str(ROOT / "docs" / "serve"))
+    p.add_argument("--out", default=default_out("serve"))
     p.add_argument("--auto-args", default="", help="extra launcher flags for the auto arm")
     p.add_argument("--pd-args", default="--prefill 1 --decode 1 --disaggregate always",
                    help="launcher flags of the forced P/D arm")

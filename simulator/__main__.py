@@ -1,5 +1,6 @@
 """`python -m simulator --trace T`: every policy over the trace on the default cluster, then
-the load, capacity and prefix-reuse sweeps; results into docs/sim/, a summary as last line."""
+the load, capacity and prefix-reuse sweeps; results into --out
+(results/sim/, which git ignores), a summary as last line."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reuse", type=_floats, default=[1.0, 0.75, 0.5, 0.25, 0.0])
     ap.add_argument("--capacities", default="500,1000,2000,5000,10000,20000,40000,none")
     ap.add_argument("--limit", type=int, default=None, help="first N requests only")
-    ap.add_argument("--out", default="docs/sim")
+    ap.add_argument("--out", default="results/sim")
     ap.add_argument("--no-sweeps", action="store_true")
     return ap.parse_args(argv)
 

@@ -27,6 +27,7 @@ from benchmarks.chaos.config import (
 from benchmarks.chaos.faults import Admin, Chaos, wait_until
 from benchmarks.chaos.report import print_summary, scrape, summarize
 from benchmarks.chaos.traffic import Req, Result, build_requests, reference, run_one
+from benchmarks.results import default_out
 from cluster.signals import stop_on_signals
 from embedded import ClusterSpec, EmbeddedCluster
 
@@ -38,7 +39,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-dir", default="run/chaos",
                    help="cluster logs and the cached reference (default: run/chaos)")
-    p.add_argument("--json-out", default="docs/chaos.json")
+    p.add_argument("--json-out", default=default_out("chaos.json"))
     p.add_argument("--model", default=os.environ.get("KVCLUSTER_MODEL", ""),
                    help="local HF model directory (default: the built-in tiny model)")
     p.add_argument("--deadline-s", type=float, default=120.0,

@@ -43,6 +43,7 @@ from benchmarks.e2e import (
     workloads,
 )
 from benchmarks.machine import cpu_probe_s, describe
+from benchmarks.results import default_out
 from cluster.signals import stop_on_signals
 from tinymodel.builder import ModelSpec, ensure_model
 from worker.dtype import DTYPES
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                    "memory through one mooncake_client, the best Mooncake offers on one host)")
     p.add_argument("--trace", default=str(TRACE))
     p.add_argument("--prewarm-n", default="4,8,16", help="'' skips the prewarm experiment")
-    p.add_argument("--out", default=str(ROOT / "docs" / "e2e"))
+    p.add_argument("--out", default=default_out("e2e"))
     p.add_argument("--run-dir", default="")
     args = p.parse_args(argv)
     try:

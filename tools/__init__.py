@@ -1,0 +1,1 @@
+"""Tooling for the docs (not part of the product)."""
