@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import socket
 import threading
 import time
@@ -125,6 +126,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.pool = pool or FakePool()
         self._ready: dict[str, asyncio.Event] = {}
         self.health_silent = False
+        self.info: InstanceInfo | None = None
+        """What it registered: its `Stats` report it, as a real worker's do."""
 
     async def Prefill(self, request, context):
         received = time.time()
@@ -254,7 +257,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     async def Stats(self, request, context):
         await asyncio.sleep(self.knobs.stats_delay_s)
         return worker_pb2.WorkerStats(running=self.counts.running,
-                                      aborted_total=self.counts.aborted, pool=self.knobs.pool)
+                                      aborted_total=self.counts.aborted, pool=self.knobs.pool,
+                                      registration=self.info.to_json() if self.info else b"")
 
     async def Retire(self, request, context):
         self.counts.retired += 1
@@ -289,7 +293,9 @@ class LocalConductor:
     def __init__(self, model_dir: str, roles: tuple[str, ...] = ("prefill", "decode"),
                  knobs: Knobs | None = None, conductor_args: tuple[str, ...] = (),
                  max_model_len: int = 0, secret_file: str = "",
-                 impostors: tuple[str, ...] = (), tls_dir: str = "") -> None:
+                 impostors: tuple[str, ...] = (), tls_dir: str = "",
+                 overrides: dict[str, dict] | None = None,
+                 strangers: tuple[InstanceInfo, ...] = ()) -> None:
         self.model_dir = model_dir
         self.tls_dir = tls_dir
         """The worker plane's TLS files (`cluster.plane_tls`): workers serve TLS only."""
@@ -297,6 +303,12 @@ class LocalConductor:
         """A cluster secret (`cluster.secret`) the conductor and the workers hold, except
         `impostors` (instance ids), which serve every call and prove nothing."""
         self.impostors = impostors
+        self.overrides = overrides or {}
+        """Fields of some workers' registrations (by instance id) set to other values: those
+        workers were started so (their `Stats` report the same)."""
+        self.strangers = strangers
+        """Registrations in membership with no worker of their own behind them (their
+        addresses reach nothing, or another worker)."""
         self.max_model_len = max_model_len
         """What the fake workers announce as their engines' context (0: unknown)."""
         self.roles = roles
@@ -321,6 +333,26 @@ class LocalConductor:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def served_name(self) -> str:
+        """The model name the conductor serves (its model directory's, as the workers')."""
+        return self.model_dir.rstrip("/").split("/")[-1]
+
+    def put_member(self, info: InstanceInfo) -> None:
+        """A registration appears or changes in membership (as a put in etcd would)."""
+        self._change(lambda m: m.__setitem__(info.instance_id, info))
+
+    def delete_member(self, instance_id: str) -> None:
+        self._change(lambda m: m.pop(instance_id, None))
+
+    def _change(self, edit) -> None:
+        async def change() -> None:
+            edit(self._members)
+            await self._on_change(dict(self._members))
+
+        assert self._loop is not None
+        asyncio.run_coroutine_threadsafe(change(), self._loop).result(timeout=10)
+
     def worker(self, role: str) -> FakeWorker:
         return self.workers[f"{role}-0"]
 
@@ -333,6 +365,11 @@ class LocalConductor:
                 raise RuntimeError("local conductor failed") from self._error
             assert time.monotonic() < deadline, "local conductor did not start"
             time.sleep(0.02)
+        registry = self.app.state.conductor.registry
+        honest = [iid for iid in self.workers if iid not in self.impostors]
+        while not all((i := registry.get(iid)) is not None and i.verified for iid in honest):
+            assert time.monotonic() < deadline, "the local workers did not prove themselves"
+            time.sleep(0.01)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -376,15 +413,23 @@ class LocalConductor:
             self.addresses[iid] = f"127.0.0.1:{port}"
             if guard is not None:
                 guard.bind(self.addresses[iid])
-            members[iid] = InstanceInfo(instance_id=iid, role=role, address=f"127.0.0.1:{port}",
-                                        model="fake", block_size=32, capacity_tokens=1 << 20,
-                                        version="test", max_model_len=self.max_model_len)
+            info = InstanceInfo(instance_id=iid, role=role, address=f"127.0.0.1:{port}",
+                                model=self.served_name, block_size=32,
+                                capacity_tokens=1 << 20, version="test",
+                                max_model_len=self.max_model_len, kv_namespace="kv-fake")
+            members[iid] = fake.info = dataclasses.replace(info, **self.overrides.get(iid, {}))
+        members.update((s.instance_id, s) for s in self.strangers)
         config = parse_args(["--model", self.model_dir, "--etcd", "127.0.0.1:1",
                              "--port", str(self.port), "--kv-events", "false",
                              "--secret-file", self.secret_file, "--tls-dir", self.tls_dir,
                              *self.conductor_args])
-        app = self.app = create_app(config,
-                                    membership=lambda on_change: StaticMembership(members))
+        self._members = members
+
+        def membership(on_change) -> StaticMembership:
+            self._on_change = on_change
+            return StaticMembership(members)
+
+        app = self.app = create_app(config, membership=membership)
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
                                                      loop="asyncio", log_level="warning",
                                                      lifespan="on",

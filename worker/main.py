@@ -72,6 +72,7 @@ async def _serve(config: WorkerConfig, engine: Engine) -> bool:
         side=config.side,
         **placement(config.device),
     )
+    servicer.registration = info.to_json()
     if guard is not None:  # Worker calls are refused until here
         guard.bind(info.address)
     registration = Registration(config.etcd_access, info, ttl=max(2, round(config.lease_ttl)))
