@@ -13,6 +13,7 @@ import dataclasses
 import socket
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import grpc
@@ -21,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster import plane_tls
 from cluster.instance import InstanceInfo
+from cluster.membership import Registration
 from cluster.plane_tls import PlaneTLS
 from cluster.secret import ClusterSecret, RequireToken
 from protos import worker_pb2, worker_pb2_grpc
@@ -295,7 +297,8 @@ class LocalConductor:
                  max_model_len: int = 0, secret_file: str = "",
                  impostors: tuple[str, ...] = (), tls_dir: str = "",
                  overrides: dict[str, dict] | None = None,
-                 strangers: tuple[InstanceInfo, ...] = ()) -> None:
+                 strangers: tuple[InstanceInfo, ...] = (), etcd: str = "",
+                 lease_ttl: int = 3) -> None:
         self.model_dir = model_dir
         self.tls_dir = tls_dir
         """The worker plane's TLS files (`cluster.plane_tls`): workers serve TLS only."""
@@ -309,6 +312,13 @@ class LocalConductor:
         self.strangers = strangers
         """Registrations in membership with no worker of their own behind them (their
         addresses reach nothing, or another worker)."""
+        self.etcd = etcd
+        """A real etcd (host:port): the workers register there (`cluster.membership`, on
+        leases of `lease_ttl` s, under `prefix`) and the conductor watches it; strangers are
+        then the test's to put. Empty: a membership the test changes (`put_member`)."""
+        self.lease_ttl = lease_ttl
+        self.prefix = f"/kvcluster-test/{uuid.uuid4().hex[:8]}/instances/"
+        self.registrations: dict[str, Registration] = {}
         self.max_model_len = max_model_len
         """What the fake workers announce as their engines' context (0: unknown)."""
         self.roles = roles
@@ -419,7 +429,8 @@ class LocalConductor:
                                 max_model_len=self.max_model_len, kv_namespace="kv-fake")
             members[iid] = fake.info = dataclasses.replace(info, **self.overrides.get(iid, {}))
         members.update((s.instance_id, s) for s in self.strangers)
-        config = parse_args(["--model", self.model_dir, "--etcd", "127.0.0.1:1",
+        config = parse_args(["--model", self.model_dir, "--etcd", self.etcd or "127.0.0.1:1",
+                             "--membership-prefix", self.prefix,
                              "--port", str(self.port), "--kv-events", "false",
                              "--secret-file", self.secret_file, "--tls-dir", self.tls_dir,
                              *self.conductor_args])
@@ -429,7 +440,12 @@ class LocalConductor:
             self._on_change = on_change
             return StaticMembership(members)
 
-        app = self.app = create_app(config, membership=membership)
+        app = self.app = create_app(config, membership=None if self.etcd else membership)
+        for iid, fake in self.workers.items() if self.etcd else ():  # the loop is free now
+            assert fake.info is not None
+            reg = self.registrations[iid] = Registration(self.etcd, fake.info, prefix=self.prefix,
+                                                         ttl=self.lease_ttl)
+            await reg.start(timeout=10)
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
                                                      loop="asyncio", log_level="warning",
                                                      lifespan="on",
@@ -437,5 +453,7 @@ class LocalConductor:
         serving = asyncio.ensure_future(self._server.serve(sockets=[self._sock]))
         await self._stop.wait()
         await serving
+        for reg in self.registrations.values():
+            await reg.stop()
         for server in servers:
             await server.stop(grace=None)

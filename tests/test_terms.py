@@ -8,18 +8,22 @@ test_membership."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import math
 import socket
+import time
 import tracemalloc
 
+import aetcd
 import grpc
 import httpx
 import pytest
 from conftest import wait_until
 from fake_worker import LocalConductor
 
+from cluster.etcd_server import EtcdServer
 from cluster.instance import InstanceInfo
 from cluster.ports import free_port
 from cluster.secret import ClusterSecret
@@ -168,6 +172,47 @@ def test_an_overwritten_registration_is_not_believed_until_its_worker_says_so(mo
         c.put_member(honest)
         wait_until(lambda: registry.get("decode-0").state == "serving", 5)
         _unshaped(c)
+
+
+def test_in_etcd_strangers_change_nothing_and_an_overwritten_entry_comes_back(
+        model_dir, tmp_path):
+    """Real etcd: the fake workers register on leases of 3 s and the conductor watches. A
+    stranger adds an entry pointing at decode-0 (another block size, a tiny context) and
+    rewrites decode-1's with a tiny context: requests go on being served within the honest
+    terms throughout, and decode-1's worker puts its entry back within the TTL, after which
+    it serves again."""
+    ttl = 3
+    server = EtcdServer(data_dir=tmp_path / "etcd").start()
+    try:
+        with LocalConductor(model_dir, roles=("prefill", "decode", "decode"),
+                            etcd=server.endpoint, lease_ttl=ttl,
+                            conductor_args=("--disaggregate", "always")) as c:
+            registry = c.app.state.conductor.registry
+            honest = c.workers["decode-1"].info
+            assert honest is not None
+            stranger = _info("decode-x", c.addresses["decode-0"], model=c.served_name,
+                             block_size=64, max_model_len=16)
+            forged = dataclasses.replace(honest, max_model_len=16)
+
+            async def put() -> None:
+                async with aetcd.Client("127.0.0.1", server.client_port, timeout=2) as client:
+                    await client.put(f"{c.prefix}decode-x".encode(), stranger.to_json())
+                    await client.put(f"{c.prefix}decode-1".encode(), forged.to_json())
+
+            asyncio.run(put())
+            t0 = time.monotonic()
+            wait_until(lambda: registry.get("decode-x") is not None, 5)
+            _served(c, 3)
+            _unshaped(c)
+            wait_until(lambda: (i := registry.get("decode-1")) is not None
+                       and i.info == honest and i.state == "serving", ttl + 2)
+            back = time.monotonic() - t0
+            _served(c, 3)
+            _unshaped(c)
+            assert registry.get("decode-x").state == "unverified"
+    finally:
+        server.close()
+    assert back < ttl + 1, f"decode-1 served again after {back:.1f} s"
 
 
 # ------------------------------------------------------------------ the terms, pure
