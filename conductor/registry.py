@@ -63,6 +63,8 @@ class Instance:
     mismatch: str = ""
     """Why it is left out though verified: it disagrees with the cluster's terms
     (`conductor.terms`); "": it agrees (or is not verified yet)."""
+    welcomed: bool = False
+    """It was admitted once (listeners heard `instance_admitted`)."""
     calls: set[grpc.aio.Call] = field(default_factory=set)
     """Its prefill and decode calls in flight: cancelled when it is found lost
     (`Registry.set_unhealthy`), so that their requests move on at once."""
@@ -101,6 +103,9 @@ class Instance:
 class RegistryListener(Protocol):
     def instance_joined(self, inst: Instance) -> None: ...
     def instance_left(self, inst: Instance) -> None: ...
+    def instance_admitted(self, inst: Instance) -> None:
+        """It proved itself and agrees with the cluster's terms (once per instance): what
+        it says may now shape the cluster's state."""
 
 
 class PerInstance:
@@ -122,6 +127,9 @@ class PerInstance:
         task = self._tasks.pop(inst.instance_id, None)
         if task is not None:
             task.cancel()
+
+    def instance_admitted(self, inst: Instance) -> None:
+        pass
 
     async def close(self) -> None:
         tasks = list(self._tasks.values())
@@ -162,6 +170,8 @@ class Registry:
         self._listeners.append(listener)
         for inst in self._instances.values():
             listener.instance_joined(inst)
+            if inst.welcomed:
+                listener.instance_admitted(inst)
 
     def sync(self, members: dict[str, InstanceInfo]) -> None:
         """Follow membership: open clients for joiners, close those of leavers. A registration
@@ -274,11 +284,13 @@ class Registry:
                     log.warning("instance_mismatched", instance_id=inst.instance_id, why=why)
                 else:
                     log.info("instance_agrees", instance_id=inst.instance_id)
-            placed = inst.info.cpus or inst.info.gpus
-            if not why and placed and not (inst.load.cores or inst.load.gpus):  # once admitted
-                inst.load.cores = cpu_list(inst.info.cpus)
+            if not why and not inst.welcomed:
+                inst.welcomed = True
+                inst.load.cores = cpu_list(inst.info.cpus)  # never built for a stranger
                 inst.load.gpus = cpu_list(inst.info.gpus)
                 self._snap = None
+                for listener in self._listeners:
+                    listener.instance_admitted(inst)
         if terms != self.terms:
             self.terms = terms
             log.info("cluster_terms", model=terms.model, block_size=terms.block_size,

@@ -74,6 +74,8 @@ class Counts:
     running: int = 0
     aborted: int = 0
     retired: int = 0
+    stats: int = 0
+    """`Stats` calls answered."""
     pool_ready: int = 0
     pool_ready_first: list[int | None] = field(default_factory=list)
     """The first token each `PoolReady` carried (None: none)."""
@@ -258,6 +260,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     async def Stats(self, request, context):
         await asyncio.sleep(self.knobs.stats_delay_s)
+        self.counts.stats += 1
         return worker_pb2.WorkerStats(running=self.counts.running,
                                       aborted_total=self.counts.aborted, pool=self.knobs.pool,
                                       registration=self.info.to_json() if self.info else b"")

@@ -21,13 +21,13 @@ import grpc
 import httpx
 import pytest
 from conftest import wait_until
-from fake_worker import LocalConductor
+from fake_worker import Knobs, LocalConductor
 
 from cluster.etcd_server import EtcdServer
 from cluster.instance import InstanceInfo
 from cluster.ports import free_port
 from cluster.secret import ClusterSecret
-from protos import admin_pb2, admin_pb2_grpc
+from protos import admin_pb2, admin_pb2_grpc, worker_pb2
 
 TOKEN = "admin-token-for-tests"
 
@@ -91,6 +91,47 @@ def test_an_impostors_registration_shapes_nothing(model_dir, secret_file, kind):
         assert c.workers["decode-1"].counts.generates == 0
         assert c.workers["decode-0"].counts.generates == 6
         _unshaped(c)
+
+
+def test_an_impostors_pool_figures_price_nothing(model_dir, secret_file):
+    """The pool's measured time per block prices every request's transfers
+    (`PoolStatsPoller.seconds_per_block`): an impostor's Stats claiming a second a block
+    are not counted, the honest worker's are."""
+    with LocalConductor(model_dir, roles=("prefill", "decode", "decode"),
+                        secret_file=secret_file, impostors=("decode-1",),
+                        conductor_args=("--stats-interval-s", "0.2")) as c:
+        slow = worker_pb2.PoolStats(blocks_loaded=1000,
+                                    load=worker_pb2.LatencyHistogram(sum_seconds=1000.0))
+        fast = worker_pb2.PoolStats(blocks_loaded=100,
+                                    load=worker_pb2.LatencyHistogram(sum_seconds=0.1))
+        c.workers["decode-1"].knobs = Knobs(pool=slow)
+        c.workers["decode-0"].knobs = Knobs(pool=fast)
+        polled = c.workers["decode-1"].counts.stats
+        poller = c.app.state.conductor.pool_stats
+        wait_until(lambda: "decode-0" in poller.latest
+                   and c.workers["decode-1"].counts.stats >= polled + 3, 10)
+        assert "decode-1" not in poller.latest
+        assert poller.seconds_per_block() == pytest.approx(0.001)
+
+
+async def test_kv_events_are_followed_once_an_instance_is_admitted(config_only_model):
+    """A worker's KV events fill the global index (bounded, least recently stored first
+    out): a stranger's are not listened to until it proved itself and agrees."""
+    from conductor.config import ConductorConfig
+    from conductor.registry import Registry
+    from conductor.router import Router
+
+    registry = Registry()
+    router = Router(ConductorConfig(model=config_only_model, etcd="127.0.0.1:1"), registry)
+    assert router.follower is not None
+    registry.sync({"d0": _m("d0"), "d1": _m("d1"), "dx": _m("dx", block_size=64)})
+    assert router.follower.following() == []
+    for iid in ("d0", "d1", "dx"):
+        registry.set_verified(iid)
+    assert sorted(router.follower.following()) == ["d0", "d1"]
+    assert registry.get("dx").state == "mismatched"
+    await router.follower.close()
+    await registry.close()
 
 
 def test_registrations_without_a_worker_of_their_own_shape_nothing(model_dir):
