@@ -7,6 +7,10 @@ not a dead one). The next successful check brings it back. Its calls in flight g
 it says NOT_SERVING (a graceful drain); when it does not answer at all (refused, or twice too
 slow: a stopped process keeps its connections open and silent) they are cancelled, and their
 requests retry or migrate at once instead of waiting for the stall deadline.
+
+Until an instance is verified, each round first asks its worker to prove itself (`_verify`):
+its `Stats` must report the registration etcd holds, with the cluster secret's proof when the
+cluster has one.
 """
 
 from __future__ import annotations
