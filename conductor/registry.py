@@ -266,10 +266,6 @@ class Registry:
             log.info("instance_verified", instance_id=instance_id)
             self._agree()
 
-    def admitted(self) -> list[Instance]:
-        """The instances that give the cluster's parameters (verified, agreeing)."""
-        return [i for i in self._instances.values() if i.admitted]
-
     def _agree(self) -> None:
         """Settle the terms among the verified instances; mark those that disagree."""
         verified = sorted((i for i in self._instances.values() if i.verified),
