@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
+import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +15,27 @@ ROLES = ("prefill", "decode", "both")
 PROBE_TOKENS = 512
 """The prompt length a worker times at start (`InstanceInfo.prefill_probe_s`)."""
 
+# What a registration may claim: far beyond any real machine, near enough that nothing built
+# from an entry (a core set, a context, a block) can cost the conductor more than a little.
+MAX_CPU = 8191
+"""The highest CPU number (Linux builds for at most 8192, `NR_CPUS`)."""
+MAX_GPU = 1023
+"""The highest accelerator number."""
+MAX_LIST_CHARS = 8192
+"""The longest `cpus` / `gpus` list text."""
+MAX_BLOCK_SIZE = 1 << 16
+MAX_CAPACITY_TOKENS = 1 << 40
+MAX_MODEL_LEN = 1 << 27
+MAX_SEQS = 1 << 20
+MAX_PROBE_S = 3600.0
+MAX_CHARS = {"instance_id": 253, "model": 512, "version": 128, "kv_namespace": 256,
+             "address": 261}
+"""The longest each string field may be (an address: a 253-character host name, a port)."""
+
+_LIST = re.compile(r"\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*", re.ASCII)
+_NAME = re.compile(r"[!-~]+", re.ASCII)  # printable ASCII, no spaces
+_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?", re.ASCII)
+
 
 @dataclass(frozen=True)
 class InstanceInfo:
@@ -19,7 +43,8 @@ class InstanceInfo:
     may be absent: older workers), no others.
 
     Invalid values raise ValueError (TypeError for a wrong type; `from_json` turns both into
-    ValueError).
+    ValueError), out-of-range ones too (`MAX_*`): an entry anyone could write to etcd is
+    checked before anything is built from it.
     """
 
     instance_id: str
@@ -46,34 +71,38 @@ class InstanceInfo:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {self.role!r}")
-        for name in ("instance_id", "address", "model", "version"):
-            if not isinstance(getattr(self, name), str):
-                raise TypeError(f"{name} must be a string, not {getattr(self, name)!r}")
+        for name, most in MAX_CHARS.items():
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise TypeError(f"{name} must be a string, not {value!r}")
+            if len(value) > most:
+                raise ValueError(f"{name} longer than {most} characters")
+            if not (value.isprintable() if name in ("model", "version")
+                    else not value or _NAME.fullmatch(value)):
+                raise ValueError(f"{name} has characters it cannot hold: {value!r}")
         if not self.instance_id or "/" in self.instance_id:
             raise ValueError(f"instance_id must be non-empty without '/': {self.instance_id!r}")
-        host, sep, port = self.address.rpartition(":")
-        if not (sep and host and port.isdigit()):
-            raise ValueError(f"address must be host:port, not {self.address!r}")
-        for name in ("block_size", "capacity_tokens", "threads", "max_model_len", "max_seqs"):
+        _check_address(self.address)
+        for name, most in (("block_size", MAX_BLOCK_SIZE), ("capacity_tokens",
+                           MAX_CAPACITY_TOKENS), ("threads", MAX_CPU + 1),
+                           ("max_model_len", MAX_MODEL_LEN), ("max_seqs", MAX_SEQS)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{name} must be an int, not {value!r}")
-            if value < 0:
-                raise ValueError(f"{name} must be non-negative, not {value!r}")
+            if not 0 <= value <= most:
+                raise ValueError(f"{name} must be in [0, {most}], not {value!r}")
         if self.block_size == 0:
             raise ValueError("block_size must be positive")
-        if not isinstance(self.kv_namespace, str) or "/" in self.kv_namespace:
+        if "/" in self.kv_namespace:
             raise ValueError(f"kv_namespace must be a string without '/': {self.kv_namespace!r}")
-        for name in ("cpus", "gpus"):
-            try:
-                cpu_list(getattr(self, name))
-            except (TypeError, ValueError, AttributeError):
-                raise ValueError(f"{name} must be a CPU/device list like '0-3,8', not "
-                                 f"{getattr(self, name)!r}") from None
-        for name in ("started_at", "prefill_probe_s"):
+        for name, most in (("cpus", MAX_CPU), ("gpus", MAX_GPU)):
+            _check_list(name, getattr(self, name), most)
+        for name, most in (("started_at", math.inf), ("prefill_probe_s", MAX_PROBE_S)):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise TypeError(f"{name} must be a number, not {value!r}")
+            if not (math.isfinite(value) and value <= most):
+                raise ValueError(f"{name} must be finite and at most {most}, not {value!r}")
             object.__setattr__(self, name, float(value))
         if not isinstance(self.side, bool):
             raise TypeError(f"side must be a bool, not {self.side!r}")
@@ -114,6 +143,38 @@ class InstanceInfo:
             return cls(**obj)
         except TypeError as e:
             raise ValueError(f"InstanceInfo JSON: {e}") from e
+
+
+def _check_address(address: str) -> None:
+    """`host:port`: a host name or IPv4 address, or an IPv6 one in brackets; port 1-65535."""
+    host, sep, port = address.rpartition(":")
+    ok = bool(sep) and port.isascii() and port.isdigit() and 0 < int(port) < 65536
+    if ok and host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            ok = False
+    elif ok:
+        ok = bool(_HOST.fullmatch(host))
+    if not ok:
+        raise ValueError(f"address must be host:port, not {address!r}")
+
+
+def _check_list(name: str, text: object, most: int) -> None:
+    """A CPU/device list of numbers up to `most`, checked without building it."""
+    if not (isinstance(text, str) and len(text) <= MAX_LIST_CHARS
+            and (not text or _LIST.fullmatch(text))):
+        raise ValueError(f"{name} must be a CPU/device list like '0-3,8' (at most "
+                         f"{MAX_LIST_CHARS} characters), not {str(text)[:40]!r}")
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        if not int(lo) <= int(hi or lo) <= most:
+            raise ValueError(f"{name}: bad range {part!r} (numbers up to {most})")
+
+
+def host_port(host: str, port: int) -> str:
+    """The `address` of a worker at `host` (an IPv6 address gets its brackets)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 def cpu_list(text: str) -> frozenset[int]:

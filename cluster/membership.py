@@ -111,6 +111,12 @@ class Registration(_EtcdUser):
     best-effort (after the key has moved, so the key itself never blinks). The same happens at
     once if a refresh finds the lease expired. etcd enforces a minimum TTL (2 s by default);
     the refresh period follows the TTL etcd actually granted.
+
+    After each refresh the key is read back: deleted, or holding another value or another
+    lease (someone wrote it: their value, or ours on a lease that would outlive this worker),
+    it is put back on our lease, so within a third of the TTL plus a round trip. Two live
+    workers registering one instance id therefore take the key in turns, each logging
+    `registration_reasserted`.
     """
 
     def __init__(
@@ -211,6 +217,8 @@ class Registration(_EtcdUser):
                 if not await self._refresh():
                     log.warning("lease_expired", key=self.key, lease=self._lease_id)
                     self._registered = False  # re-register right away
+                else:
+                    await self._reassert()
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -247,6 +255,17 @@ class Registration(_EtcdUser):
         assert self._lease_id is not None
         reply = await self._call(self._conn().refresh_lease(self._lease_id))
         return reply is not None and reply.TTL > 0
+
+    async def _reassert(self) -> None:
+        """Put our key back unless it holds our value on our lease."""
+        client = self._conn()
+        got = await self._call(client.get(self.key.encode()))
+        if got is not None and got.value == self._value and got.lease == self._lease_id:
+            return
+        await self._call(client.put(self.key.encode(), self._value, lease=self._lease_id))
+        log.warning("registration_reasserted", key=self.key, lease=self._lease_id,
+                    found="nothing" if got is None
+                    else "another value" if got.value != self._value else "another lease")
 
     async def _revoke_quietly(self, lease_id: int) -> None:
         try:

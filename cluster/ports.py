@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 
 
@@ -12,15 +13,47 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """`n` distinct free ports: all bound at once while chosen (one `free_port` after another
-    can hand the same just-released port out twice: a master whose RPC and HTTP ports came out
-    equal failed a clean-clone test run)."""
+    """`n` distinct ports free on `host` now, all bound at once while chosen (one `free_port`
+    after another could hand the same port out twice). They are drawn from below the kernel's
+    ephemeral range: a port from that range, released here and bound by the caller a moment
+    later, can meanwhile be taken by any process's outgoing connection (EADDRINUSE in a
+    clean-clone CI run); ports below it go only to servers that ask for them by number."""
+    low, high = _FIXED_RANGE[0], _ephemeral_start() - 1
+    rng = random.SystemRandom()
     with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-                 for _ in range(n)]
-        for s in socks:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
+        ports: list[int] = []
+        for _ in range(64 * n):
+            if len(ports) == n:
+                break
+            port = rng.randint(low, high)
+            if port in ports:
+                continue
+            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            ports.append(port)
+        if len(ports) < n:  # a crowded range: the kernel's choice, as before
+            for _ in range(n - len(ports)):
+                s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                s.bind((host, 0))
+                ports.append(s.getsockname()[1])
+        return ports
+
+
+_FIXED_RANGE = (20000, 32767)
+
+
+def _ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (the ports `bind(0)` and outgoing
+    connections get)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            start = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        start = 32768
+    return max(start, _FIXED_RANGE[0] + 1024)
 
 
 def wait_for_port(host: str, port: int, timeout: float) -> bool:

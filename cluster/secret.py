@@ -10,8 +10,10 @@ from it and a worker's registered address (`host:port`) each side derives:
   that a process registered at another address receives opens no real worker.
 - the worker's **proof**: an HMAC over a fresh nonce the conductor sends with a token on a
   `Stats` call, answered in its trailing metadata (by the same interceptor). The conductor
-  routes to an instance only once its proof checks (`conductor.registry.Instance.verified`):
-  an address registered in etcd by someone without the secret never gets a prompt.
+  routes to an instance only once its proof checks and the same reply reports the very
+  registration etcd holds (`conductor.registry.Instance.verified`): an address registered in
+  etcd by someone without the secret never gets a prompt, and an entry rewritten by someone
+  else is not believed.
 
 Not covered: the gRPC health service stays open (it says SERVING or not, nothing else), and
 without TLS on the wire (`cluster.plane_tls`) a token can be read off the network together

@@ -83,7 +83,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             running=v.running, kv_tokens=v.kv_tokens, kv_capacity_tokens=v.kv_capacity_tokens,
             queued_prompt_tokens=v.queued_prompt_tokens,
             cached_blocks=self.router.index.blocks(inst.instance_id),
-            dispatched_total=inst.load.dispatched_total, version=inst.info.version)
+            dispatched_total=inst.load.dispatched_total, version=inst.info.version,
+            mismatch=inst.mismatch)
 
     async def ListInstances(self, request: admin_pb2.ListInstancesRequest,
                             context: grpc.aio.ServicerContext) -> admin_pb2.ListInstancesReply:

@@ -10,6 +10,7 @@ their engine requests on both instances.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -62,6 +63,7 @@ from conductor.scheduler import DECODES_ALONE
 from conductor.scheduler.pool_sync import PoolSync
 from conductor.step_targets import StepTargets
 from conductor.tenants import Tenants
+from conductor.terms import Expected
 from conductor.tokenizer import Tokenizer
 from conductor.tracing import Tracing
 from protos import worker_pb2
@@ -96,8 +98,13 @@ class Conductor:
     def __init__(self, config: ConductorConfig,
                  membership: Callable[[Callable], Membership] | None = None) -> None:
         self.config = config
-        self.registry = Registry(config.cluster_secret, config.tls)
+        self.registry = Registry(config.cluster_secret, config.tls, Expected(
+            models=frozenset({config.served_model_name, os.path.basename(
+                config.model.rstrip("/"))}),
+            block_size=config.block_size))
         self.tokenizer = Tokenizer(config.model)
+        self.registry.on_terms.append(
+            lambda terms: self.tokenizer.serve_within([terms.max_model_len]))
         self.chat_template = ChatTemplate(self.tokenizer.hf)
         self.defaults = ModelDefaults.load(config.model)
         self.pipeline = Pipeline(config, self.registry, self.tokenizer)
@@ -129,7 +136,10 @@ class Conductor:
 
     def _sync(self, members: dict[str, InstanceInfo]) -> None:
         self.registry.sync(members)
-        self.tokenizer.serve_within([m.max_model_len for m in members.values()])
+
+    def pool_namespaces(self) -> set[str]:
+        """The pool keys' namespaces the index follows (`PoolSync`): the cluster's."""
+        return {self.registry.terms.kv_namespace} - {""}
 
     async def start(self) -> None:
         self.health = HealthChecker(self.registry, self.config.health_interval_s)
@@ -141,7 +151,7 @@ class Conductor:
         if self.config.pool_keys_url:
             self.pool_sync = PoolSync(
                 self.pipeline.router.index, self.config.pool_keys_url,
-                lambda: {i.info.kv_namespace for i in self.registry.all() if i.info.kv_namespace},
+                self.pool_namespaces,
                 self.config.pool_sync_s)
             self.pool_sync.start()
         if self.config.admin_port:

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, fields
 
 from cluster.etcd_access import EtcdAccess
+from cluster.instance import MAX_BLOCK_SIZE
 from cluster.plane_tls import PlaneTLS
 from cluster.secret import LOOPBACK, ClusterSecret
 from conductor.auth import load_api_keys
@@ -59,7 +60,8 @@ class ConductorConfig:
     0: 30 x the request's TBT SLO, at least 10 s (a long prefill sharing the engine's steps
     is a gap, not a stall)."""
     block_size: int = 0
-    """Block size used when no worker has registered yet; 0 means take the workers'."""
+    """The cluster's block size: an instance registered with another is not routed
+    (`mismatched`). 0: the block size most of the verified instances hold."""
     ttft_slo_s: float = 30.0
     """Default time-to-first-token SLO: kv_centric answers 429 when no pair is predicted to
     meet it."""
@@ -93,7 +95,8 @@ class ConductorConfig:
     secret_file: str = ""
     """A file holding the cluster secret (`cluster.secret`): set, every Worker call carries
     the token derived from it and an instance is routed to only once it proved it holds the
-    same secret. Empty: the worker plane is open (loopback-only clusters)."""
+    same secret (and reports the registration it has in etcd, as without a secret). Empty:
+    the worker plane is open (loopback-only clusters)."""
     etcd_access_file: str = ""
     """etcd's TLS material and user (`cluster.etcd_access`, a TOML file); empty: plain etcd."""
     tls_dir: str = ""
@@ -193,6 +196,8 @@ class ConductorConfig:
             raise ValueError(f"batch_slo_share must be in (0, 1], got {self.batch_slo_share}")
         if not 0 <= self.retry_budget <= 10:
             raise ValueError(f"retry_budget must be in [0, 10], got {self.retry_budget}")
+        if not 0 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be in [0, {MAX_BLOCK_SIZE}], got {self.block_size}")
         if self.stall_timeout_s < 0:
             raise ValueError("stall_timeout_s must be 0 (derived) or positive")
         if self.disaggregate not in DISAGGREGATE:

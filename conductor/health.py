@@ -7,6 +7,10 @@ not a dead one). The next successful check brings it back. Its calls in flight g
 it says NOT_SERVING (a graceful drain); when it does not answer at all (refused, or twice too
 slow: a stopped process keeps its connections open and silent) they are cancelled, and their
 requests retry or migrate at once instead of waiting for the stall deadline.
+
+Until an instance is verified, each round first asks its worker to prove itself (`_verify`):
+its `Stats` must report the registration etcd holds, with the cluster secret's proof when the
+cluster has one.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cluster.instance import InstanceInfo
 from cluster.secret import NONCE_KEY, PROOF_KEY, metadata_value
 from conductor.registry import Instance, PerInstance, Registry
 from protos import worker_pb2
@@ -27,6 +32,13 @@ log = structlog.get_logger(__name__)
 SERVICE = "kvcluster.v1.Worker"
 SILENT = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
 """Health answers that mean the instance is gone or wedged (`Registry.set_unhealthy(lost)`)."""
+
+
+def _reports(registration: bytes, info: InstanceInfo) -> bool:
+    try:
+        return InstanceInfo.from_json(registration) == info
+    except ValueError:
+        return False
 
 
 class HealthChecker(PerInstance):
@@ -42,22 +54,32 @@ class HealthChecker(PerInstance):
         super().__init__(registry)
 
     async def _verify(self, inst: Instance) -> None:
-        """Set `inst.verified` when its answer proves it holds the cluster secret."""
+        """Set `inst.verified` once the worker at its address reports this very registration
+        in its `Stats`, with the proof of the cluster secret in the trailing metadata when
+        the cluster has one. Without a secret (a loopback cluster), that report is the proof:
+        an entry pointing at nothing, or at another worker, or changed behind its worker's
+        back, is not believed."""
         secret = self.registry.secret
-        assert secret is not None
-        address, nonce = inst.info.address, secrets.token_hex(16)
+        address = inst.info.address
+        metadata: tuple[tuple[str, str], ...] = ()
+        nonce = ""
+        if secret is not None:
+            nonce = secrets.token_hex(16)
+            metadata = (*secret.metadata(address), (NONCE_KEY, nonce))
         try:
             call = inst.stub.Stats(worker_pb2.StatsRequest(), timeout=self.timeout_s,
-                                   metadata=(*secret.metadata(address), (NONCE_KEY, nonce)))
-            await call
+                                   metadata=metadata)
+            stats = await call
             proof = metadata_value(await call.trailing_metadata(), PROOF_KEY)
         except grpc.aio.AioRpcError as e:
             self._unverified(inst, e.code().name)
             return
-        if secret.proves(address, nonce, proof):
-            self.registry.set_verified(inst.instance_id)
-        else:
+        if secret is not None and not secret.proves(address, nonce, proof):
             self._unverified(inst, "no proof of the cluster secret")
+        elif not _reports(stats.registration, inst.info):
+            self._unverified(inst, "its worker reports another registration")
+        else:
+            self.registry.set_verified(inst.instance_id)
 
     def _unverified(self, inst: Instance, why: str) -> None:
         """Logged once per instance and reason: it is asked again every interval."""

@@ -120,14 +120,12 @@ class Pipeline:
         at once."""
 
     def block_size(self) -> int:
-        sizes = {i.info.block_size for i in self.registry.all()}
-        if len(sizes) == 1:
-            return sizes.pop()
-        if self.config.block_size:
-            return self.config.block_size
-        if not sizes:
-            raise NoCapacity("no instance is registered")
-        raise NoCapacity(f"instances disagree on the block size: {sorted(sizes)}")
+        """The cluster's block size (`Registry.terms`: configured, or the admitted
+        instances')."""
+        block_size = self.registry.terms.block_size
+        if not block_size:
+            raise NoCapacity("no instance is registered and verified")
+        return block_size
 
     def prepare(self, request_id: str, token_ids: list[int],
                 params: worker_pb2.SamplingParams, cache_salt: str = "",

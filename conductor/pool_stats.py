@@ -1,9 +1,11 @@
 """The pool's transfer counters per instance, for /metrics.
 
 Every instance's `Stats` RPC is polled every `interval_s` (`PoolStatsPoller`); the reply's
-`pool` (the engine's KV connector counters, cumulative) is kept, and `PoolCollector` turns the
-latest ones into Prometheus metrics at scrape time. A scrape never calls a worker: a slow or
-dead one only leaves its last figures in place until it leaves membership.
+`pool` (the engine's KV connector counters, cumulative) is kept once the instance is admitted
+(`conductor.registry`: it proved itself; its figures price every request's transfers), and
+`PoolCollector` turns the latest ones into Prometheus metrics at scrape time. A scrape never
+calls a worker: a slow or dead one only leaves its last figures in place until it leaves
+membership.
 
 The figures are as fresh as the last request that finished in each engine: a request carries
 the counters out when it finishes, before its own background saves are done, so a prefill
@@ -68,7 +70,7 @@ class PoolStatsPoller(PerInstance):
             started = loop.time()
             try:
                 reply = await inst.stub.Stats(worker_pb2.StatsRequest(), timeout=self.timeout_s)
-                if reply.HasField("pool"):
+                if reply.HasField("pool") and inst.admitted:  # a stranger's figures: none
                     self.latest[inst.instance_id] = reply.pool
             except asyncio.CancelledError:
                 raise

@@ -1,11 +1,17 @@
 """The instances the conductor can route to: membership from etcd, one gRPC client each, and
 the load counted at dispatch time (`scheduler.load.LoadState`). `snapshot()` freezes it for
-the routing policy; listeners (the router) hear joins and leaves."""
+the routing policy; listeners (the router) hear joins and leaves.
+
+An etcd entry is only a claim: its instance is routed, and counts towards the cluster's terms
+and parameters (`terms`: block size, context, namespace; its cores in the snapshot), only once
+the worker at its address proved itself (`set_verified`, from `conductor.health`) and agrees
+with the terms (`conductor.terms`); one that proved itself but disagrees is `mismatched`."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -22,6 +28,7 @@ from cluster.secret import ClusterSecret, bind
 from conductor.calls import close_channel_later
 from conductor.scheduler.load import LoadState
 from conductor.scheduler.snapshot import ClusterSnapshot, InstanceLoad, SchedulerParams
+from conductor.terms import Expected, Terms, agree
 from protos import worker_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -47,9 +54,17 @@ class Instance:
     """Counts worker calls failed in a row (transport or server errors, not the caller's);
     open: not routed to until its cool-down ends; then half-open: routed one request, the
     probe, whose first answer closes it and whose failure opens it again."""
-    verified: bool = True
-    """It proved it holds the cluster secret (`conductor.health`); False until then when the
-    cluster has one: not routed to."""
+    verified: bool = False
+    """The worker at its address proved itself (`conductor.health`: it reports this very
+    registration, with the cluster secret's proof when the cluster has one); not routed to
+    until then."""
+    proved: int = 0
+    """The order in which it proved itself (`conductor.terms` keeps to it)."""
+    mismatch: str = ""
+    """Why it is left out though verified: it disagrees with the cluster's terms
+    (`conductor.terms`); "": it agrees (or is not verified yet)."""
+    welcomed: bool = False
+    """It was admitted once (listeners heard `instance_admitted`)."""
     calls: set[grpc.aio.Call] = field(default_factory=set)
     """Its prefill and decode calls in flight: cancelled when it is found lost
     (`Registry.set_unhealthy`), so that their requests move on at once."""
@@ -70,18 +85,28 @@ class Instance:
     @property
     def routable(self) -> bool:
         return (not self.draining and not self.unhealthy and self.breaker.admits()
-                and self.verified)
+                and self.admitted)
+
+    @property
+    def admitted(self) -> bool:
+        """Verified and agreeing with the cluster's terms: it gives the cluster's
+        parameters."""
+        return self.verified and not self.mismatch
 
     @property
     def state(self) -> str:
-        return ("unverified" if not self.verified else "unhealthy" if self.unhealthy
-                else "draining" if self.draining else "broken" if self.breaker.open
+        return ("unverified" if not self.verified else "mismatched" if self.mismatch
+                else "unhealthy" if self.unhealthy else "draining" if self.draining
+                else "broken" if self.breaker.open
                 else "probing" if self.breaker.prober is not None else "serving")
 
 
 class RegistryListener(Protocol):
     def instance_joined(self, inst: Instance) -> None: ...
     def instance_left(self, inst: Instance) -> None: ...
+    def instance_admitted(self, inst: Instance) -> None:
+        """It proved itself and agrees with the cluster's terms (once per instance): what
+        it says may now shape the cluster's state."""
 
 
 class PerInstance:
@@ -104,6 +129,9 @@ class PerInstance:
         if task is not None:
             task.cancel()
 
+    def instance_admitted(self, inst: Instance) -> None:
+        pass
+
     async def close(self) -> None:
         tasks = list(self._tasks.values())
         self._tasks.clear()
@@ -116,10 +144,18 @@ class PerInstance:
 
 
 class Registry:
-    def __init__(self, secret: ClusterSecret | None = None, tls: PlaneTLS | None = None
-                 ) -> None:
+    def __init__(self, secret: ClusterSecret | None = None, tls: PlaneTLS | None = None,
+                 expected: Expected | None = None) -> None:
         self.secret = secret
         """The cluster secret: every worker stub carries its instance's token."""
+        self.expected = expected or Expected()
+        """What the conductor's configuration fixes of the cluster's terms."""
+        self.terms = Terms(block_size=self.expected.block_size)
+        """The terms in force and the parameters the admitted instances give
+        (`conductor.terms`)."""
+        self.on_terms: list[Callable[[Terms], None]] = []
+        """Told of every change of `terms`."""
+        self._proofs = itertools.count(1)
         self.tls = tls
         """The worker plane's TLS (`cluster.plane_tls`): None, plaintext channels."""
         self._instances: dict[str, Instance] = {}
@@ -135,11 +171,14 @@ class Registry:
         self._listeners.append(listener)
         for inst in self._instances.values():
             listener.instance_joined(inst)
+            if inst.welcomed:
+                listener.instance_admitted(inst)
 
     def sync(self, members: dict[str, InstanceInfo]) -> None:
-        """Follow membership: open clients for joiners, close those of leavers."""
+        """Follow membership: open clients for joiners, close those of leavers. A registration
+        that changed is a new instance, to be verified again."""
         for iid in list(self._instances):
-            if iid not in members or members[iid].address != self._instances[iid].info.address:
+            if members.get(iid) != self._instances[iid].info:
                 self._leave(iid)
         for iid, info in members.items():
             if iid not in self._instances:
@@ -147,11 +186,10 @@ class Registry:
                 load = LoadState(iid, info.role, info.block_size, info.capacity_tokens,
                                  info.max_seqs)
                 load.host, load.threads, load.side = info.host, info.threads, info.side
-                load.cores, load.gpus = cpu_list(info.cpus), cpu_list(info.gpus)
                 stub = worker_pb2_grpc.WorkerStub(channel)
                 if self.secret is not None:
                     stub = bind(stub, self.secret.metadata(info.address))
-                inst = Instance(info, channel, stub, load, verified=self.secret is None)
+                inst = Instance(info, channel, stub, load)
                 inst.load.on_change = self._dirty.add
                 self._instances[iid] = inst
                 self._snap = None
@@ -166,6 +204,8 @@ class Registry:
         log.info("instance_left", instance_id=iid, role=inst.info.role)
         for listener in self._listeners:
             listener.instance_left(inst)
+        if inst.verified:
+            self._agree()
         # Its requests in flight go on: an instance whose lease lapsed may well be alive (a
         # starved machine), and a dead one fails them by itself (connection reset). The channel
         # closes once they ended, or cancels them after LEFT_GRACE_S (the pipeline then
@@ -219,12 +259,42 @@ class Registry:
                 call.cancel()
 
     def set_verified(self, instance_id: str) -> None:
-        """The instance proved it holds the cluster secret: routable from now on."""
+        """The worker at the instance's address proved itself: routable from now on if it
+        agrees with the cluster's terms."""
         inst = self._instances.get(instance_id)
         if inst is not None and not inst.verified:
-            inst.verified = True
+            inst.verified, inst.proved = True, next(self._proofs)
             self._snap = None
             log.info("instance_verified", instance_id=instance_id)
+            self._agree()
+
+    def _agree(self) -> None:
+        """Settle the terms among the verified instances; mark those that disagree."""
+        verified = sorted((i for i in self._instances.values() if i.verified),
+                          key=lambda i: i.proved)
+        terms, out = agree(self.expected, [i.info for i in verified], self.terms)
+        for inst in verified:
+            why = out.get(inst.instance_id, "")
+            if why != inst.mismatch:
+                inst.mismatch = why
+                self._snap = None
+                if why:
+                    log.warning("instance_mismatched", instance_id=inst.instance_id, why=why)
+                else:
+                    log.info("instance_agrees", instance_id=inst.instance_id)
+            if not why and not inst.welcomed:
+                inst.welcomed = True
+                inst.load.cores = cpu_list(inst.info.cpus)  # never built for a stranger
+                inst.load.gpus = cpu_list(inst.info.gpus)
+                self._snap = None
+                for listener in self._listeners:
+                    listener.instance_admitted(inst)
+        if terms != self.terms:
+            self.terms = terms
+            log.info("cluster_terms", model=terms.model, block_size=terms.block_size,
+                     kv_namespace=terms.kv_namespace, max_model_len=terms.max_model_len)
+            for listener in self.on_terms:
+                listener(terms)
 
     def call_failed(self, instance_id: str, fatal: bool, cooldown_s: float) -> None:
         """A worker call failed. The breaker opens after BREAKER_THRESHOLD failures in a row, at

@@ -108,7 +108,9 @@ class Router:
             inst.load.observe_prefill(PROBE_TOKENS, 0, inst.info.prefill_probe_s,
                                       self.prefill_fit.model)
         self._params = None
-        if self.follower is not None:
+
+    def instance_admitted(self, inst: Instance) -> None:
+        if self.follower is not None:  # a stranger's events never reach the index
             self.follower.follow(inst)
 
     def instance_left(self, inst: Instance) -> None:

@@ -328,7 +328,9 @@ def _fmt_instances(reply: admin_pb2.ListInstancesReply) -> str:
                      i.cached_blocks])
     header = ["ID", "ROLE", "STATE", "ADDRESS", "IN_FLIGHT", "RUNNING", "KV_TOKENS/CAP",
               "CACHED_BLOCKS"]
-    return table(header, rows, [False] * 4 + [True] * 4)
+    why = [f"{i.instance_id} mismatched: {i.mismatch}"
+           for i in sorted(reply.instances, key=lambda i: i.instance_id) if i.mismatch]
+    return "\n".join([table(header, rows, [False] * 4 + [True] * 4), *why])
 
 
 def _fmt_resize(r: admin_pb2.ResizePoolReply) -> str:

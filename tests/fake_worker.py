@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import socket
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import grpc
@@ -20,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster import plane_tls
 from cluster.instance import InstanceInfo
+from cluster.membership import Registration
 from cluster.plane_tls import PlaneTLS
 from cluster.secret import ClusterSecret, RequireToken
 from protos import worker_pb2, worker_pb2_grpc
@@ -71,6 +74,8 @@ class Counts:
     running: int = 0
     aborted: int = 0
     retired: int = 0
+    stats: int = 0
+    """`Stats` calls answered."""
     pool_ready: int = 0
     pool_ready_first: list[int | None] = field(default_factory=list)
     """The first token each `PoolReady` carried (None: none)."""
@@ -125,6 +130,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.pool = pool or FakePool()
         self._ready: dict[str, asyncio.Event] = {}
         self.health_silent = False
+        self.info: InstanceInfo | None = None
+        """What it registered: its `Stats` report it, as a real worker's do."""
 
     async def Prefill(self, request, context):
         received = time.time()
@@ -253,8 +260,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     async def Stats(self, request, context):
         await asyncio.sleep(self.knobs.stats_delay_s)
+        self.counts.stats += 1
         return worker_pb2.WorkerStats(running=self.counts.running,
-                                      aborted_total=self.counts.aborted, pool=self.knobs.pool)
+                                      aborted_total=self.counts.aborted, pool=self.knobs.pool,
+                                      registration=self.info.to_json() if self.info else b"")
 
     async def Retire(self, request, context):
         self.counts.retired += 1
@@ -289,7 +298,10 @@ class LocalConductor:
     def __init__(self, model_dir: str, roles: tuple[str, ...] = ("prefill", "decode"),
                  knobs: Knobs | None = None, conductor_args: tuple[str, ...] = (),
                  max_model_len: int = 0, secret_file: str = "",
-                 impostors: tuple[str, ...] = (), tls_dir: str = "") -> None:
+                 impostors: tuple[str, ...] = (), tls_dir: str = "",
+                 overrides: dict[str, dict] | None = None,
+                 strangers: tuple[InstanceInfo, ...] = (), etcd: str = "",
+                 lease_ttl: int = 3) -> None:
         self.model_dir = model_dir
         self.tls_dir = tls_dir
         """The worker plane's TLS files (`cluster.plane_tls`): workers serve TLS only."""
@@ -297,6 +309,19 @@ class LocalConductor:
         """A cluster secret (`cluster.secret`) the conductor and the workers hold, except
         `impostors` (instance ids), which serve every call and prove nothing."""
         self.impostors = impostors
+        self.overrides = overrides or {}
+        """Fields of some workers' registrations (by instance id) set to other values: those
+        workers were started so (their `Stats` report the same)."""
+        self.strangers = strangers
+        """Registrations in membership with no worker of their own behind them (their
+        addresses reach nothing, or another worker)."""
+        self.etcd = etcd
+        """A real etcd (host:port): the workers register there (`cluster.membership`, on
+        leases of `lease_ttl` s, under `prefix`) and the conductor watches it; strangers are
+        then the test's to put. Empty: a membership the test changes (`put_member`)."""
+        self.lease_ttl = lease_ttl
+        self.prefix = f"/kvcluster-test/{uuid.uuid4().hex[:8]}/instances/"
+        self.registrations: dict[str, Registration] = {}
         self.max_model_len = max_model_len
         """What the fake workers announce as their engines' context (0: unknown)."""
         self.roles = roles
@@ -321,6 +346,26 @@ class LocalConductor:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def served_name(self) -> str:
+        """The model name the conductor serves (its model directory's, as the workers')."""
+        return self.model_dir.rstrip("/").split("/")[-1]
+
+    def put_member(self, info: InstanceInfo) -> None:
+        """A registration appears or changes in membership (as a put in etcd would)."""
+        self._change(lambda m: m.__setitem__(info.instance_id, info))
+
+    def delete_member(self, instance_id: str) -> None:
+        self._change(lambda m: m.pop(instance_id, None))
+
+    def _change(self, edit) -> None:
+        async def change() -> None:
+            edit(self._members)
+            await self._on_change(dict(self._members))
+
+        assert self._loop is not None
+        asyncio.run_coroutine_threadsafe(change(), self._loop).result(timeout=10)
+
     def worker(self, role: str) -> FakeWorker:
         return self.workers[f"{role}-0"]
 
@@ -333,6 +378,11 @@ class LocalConductor:
                 raise RuntimeError("local conductor failed") from self._error
             assert time.monotonic() < deadline, "local conductor did not start"
             time.sleep(0.02)
+        registry = self.app.state.conductor.registry
+        honest = [iid for iid in self.workers if iid not in self.impostors]
+        while not all((i := registry.get(iid)) is not None and i.verified for iid in honest):
+            assert time.monotonic() < deadline, "the local workers did not prove themselves"
+            time.sleep(0.01)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -377,21 +427,37 @@ class LocalConductor:
             self.addresses[iid] = f"127.0.0.1:{port}"
             if guard is not None:
                 guard.bind(self.addresses[iid])
-            members[iid] = InstanceInfo(instance_id=iid, role=role, address=f"127.0.0.1:{port}",
-                                        model="fake", block_size=32, capacity_tokens=1 << 20,
-                                        version="test", max_model_len=self.max_model_len,
-                                        max_seqs=64)
-        config = parse_args(["--model", self.model_dir, "--etcd", "127.0.0.1:1",
+            info = InstanceInfo(instance_id=iid, role=role, address=f"127.0.0.1:{port}",
+                                model=self.served_name, block_size=32,
+                                capacity_tokens=1 << 20, version="test",
+                                max_model_len=self.max_model_len, kv_namespace="kv-fake",
+                                max_seqs=64)
+            members[iid] = fake.info = dataclasses.replace(info, **self.overrides.get(iid, {}))
+        members.update((s.instance_id, s) for s in self.strangers)
+        config = parse_args(["--model", self.model_dir, "--etcd", self.etcd or "127.0.0.1:1",
+                             "--membership-prefix", self.prefix,
                              "--port", str(self.port), "--kv-events", "false",
                              "--secret-file", self.secret_file, "--tls-dir", self.tls_dir,
                              *self.conductor_args])
-        app = self.app = create_app(config,
-                                    membership=lambda on_change: StaticMembership(members))
+        self._members = members
+
+        def membership(on_change) -> StaticMembership:
+            self._on_change = on_change
+            return StaticMembership(members)
+
+        app = self.app = create_app(config, membership=None if self.etcd else membership)
+        for iid, fake in self.workers.items() if self.etcd else ():  # the loop is free now
+            assert fake.info is not None
+            reg = self.registrations[iid] = Registration(self.etcd, fake.info, prefix=self.prefix,
+                                                         ttl=self.lease_ttl)
+            await reg.start(timeout=10)
         self._server = uvicorn.Server(server_config(app, config, host="127.0.0.1",
                                                     port=self.port, loop="asyncio",
                                                     lifespan="on"))
         serving = asyncio.ensure_future(self._server.serve(sockets=[self._sock]))
         await self._stop.wait()
         await serving
+        for reg in self.registrations.values():
+            await reg.stop()
         for server in servers:
             await server.stop(grace=None)

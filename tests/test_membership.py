@@ -80,6 +80,44 @@ async def test_register_then_graceful_stop(
     assert changes[-1] == {}
 
 
+async def test_a_deleted_or_overwritten_registration_is_reasserted_within_a_ttl(
+    etcd: EtcdServer, prefix: str, closing: Callable[[Any], Any]
+) -> None:
+    """While its worker lives and its lease is valid, a registration someone deleted, or
+    overwrote with another value or with the same value on no lease (which would outlive the
+    worker), is put back, on the worker's own lease, within one TTL."""
+    ttl = 3
+    watcher = closing(MembershipWatcher(etcd.endpoint, prefix=prefix, **FAST))
+    await watcher.start(timeout=5)
+    info = make_info("p0")
+    reg = closing(Registration(etcd.endpoint, info, prefix=prefix, ttl=ttl, **FAST))
+    await reg.start(timeout=5)
+    assert await watcher.wait_for(lambda m: m.get("p0") == info, timeout=5)
+    lease = reg.lease_id
+    stranger = dataclasses.replace(info, max_model_len=16, block_size=64)
+    async with aetcd.Client("127.0.0.1", etcd.client_port, timeout=2) as client:
+        for damage in ("delete", "overwrite", "unleased"):
+            if damage == "delete":
+                await client.delete(reg.key.encode())
+                assert await watcher.wait_for(lambda m: "p0" not in m, timeout=2)
+            else:
+                value = stranger.to_json() if damage == "overwrite" else info.to_json()
+                await client.put(reg.key.encode(), value)
+                if damage == "overwrite":
+                    assert await watcher.wait_for(lambda m: m.get("p0") == stranger, timeout=2)
+            t0 = time.monotonic()
+
+            async def ours() -> bool:
+                got = await client.get(reg.key.encode())
+                return got is not None and got.value == info.to_json() and got.lease == lease
+
+            while not await ours():
+                assert time.monotonic() - t0 < ttl, f"{damage}: not re-asserted within {ttl}s"
+                await asyncio.sleep(0.05)
+            assert await watcher.wait_for(lambda m: m.get("p0") == info, timeout=1), damage
+            assert reg.registered and reg.lease_id == lease, damage
+
+
 @pytest.mark.slow
 async def test_crashed_registration_expires(
     etcd: EtcdServer, prefix: str, closing: Callable[[Any], Any]

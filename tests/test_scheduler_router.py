@@ -33,6 +33,13 @@ def _member(iid: str, role: str, port: int) -> InstanceInfo:
                         block_size=BS, capacity_tokens=100_000, version="t")
 
 
+def _joined(registry: Registry, members: dict[str, InstanceInfo]) -> None:
+    """`members` join the registry and prove themselves (what `conductor.health` does)."""
+    registry.sync(members)
+    for iid in members:
+        registry.set_verified(iid)
+
+
 async def _router(model_dir: str, **config: object) -> tuple[Router, Registry]:
     """A router over two prefill and one decode instance; it disaggregates every request (the
     accounting under test is the P/D path's) unless told otherwise."""
@@ -40,7 +47,7 @@ async def _router(model_dir: str, **config: object) -> tuple[Router, Registry]:
     registry = Registry()
     router = Router(ConductorConfig(model=model_dir, etcd="127.0.0.1:1", kv_events=False,
                                     **config), registry)
-    registry.sync({"p0": _member("p0", "prefill", 1), "p1": _member("p1", "prefill", 2),
+    _joined(registry, {"p0": _member("p0", "prefill", 1), "p1": _member("p1", "prefill", 2),
                    "d0": _member("d0", "decode", 3)})
     return router, registry
 
@@ -241,7 +248,7 @@ async def test_no_decode_instance_is_503(model_dir):
     registry = Registry()
     router = Router(ConductorConfig(model=model_dir, etcd="127.0.0.1:1", kv_events=False),
                     registry)
-    registry.sync({"p0": _member("p0", "prefill", 1)})
+    _joined(registry, {"p0": _member("p0", "prefill", 1)})
     with pytest.raises(NoCapacity, match="decode"):
         router.route("a", [1, 2, 3], (), 4, BS)
     await registry.close()
@@ -250,7 +257,7 @@ async def test_no_decode_instance_is_503(model_dir):
 async def test_a_leaving_instance_leaves_the_index(model_dir):
     router, registry = await _router(model_dir)
     router.index.store("p0", [1, 2, 3])
-    registry.sync({"p1": _member("p1", "prefill", 2), "d0": _member("d0", "decode", 3)})
+    _joined(registry, {"p1": _member("p1", "prefill", 2), "d0": _member("d0", "decode", 3)})
     assert "p0" not in router.index.locations() and router.index.match([1, 2, 3]).local == {}
     await registry.close()
 
@@ -322,7 +329,7 @@ async def test_a_workers_probe_sets_its_speed_and_its_timings_refine_it(model_di
     router = Router(ConductorConfig(model=model_dir, etcd="127.0.0.1:1", kv_events=False,
                                     disaggregate="always"), registry)
     model = router.prefill_fit.model
-    registry.sync({"p0": replace(_member("p0", "prefill", 1),
+    _joined(registry, {"p0": replace(_member("p0", "prefill", 1),
                                  prefill_probe_s=4 * model.predict(PROBE_TOKENS, 0)),
                    "p1": _member("p1", "prefill", 2), "d0": _member("d0", "decode", 3)})
     p0, p1 = registry.get("p0").load, registry.get("p1").load
@@ -347,7 +354,7 @@ def _one_engine(model_dir: str, monkeypatch) -> tuple[Router, Registry, list[flo
     registry = Registry()
     router = Router(ConductorConfig(model=model_dir, etcd="127.0.0.1:1", kv_events=False),
                     registry)
-    registry.sync({"b0": _member("b0", "both", 1)})
+    _joined(registry, {"b0": _member("b0", "both", 1)})
     router.warm.add("b0")
     clock = [100.0]
     monkeypatch.setattr("conductor.router.time",

@@ -13,7 +13,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster import keepalive, plane_tls
-from cluster.instance import PROBE_TOKENS, InstanceInfo, cpu_list, format_cpu_list
+from cluster.instance import PROBE_TOKENS, InstanceInfo, cpu_list, format_cpu_list, host_port
 from cluster.logging import configure
 from cluster.membership import Registration
 from cluster.plane_tls import PlaneTLS
@@ -60,7 +60,7 @@ async def _serve(config: WorkerConfig, engine: Engine) -> bool:
     info = InstanceInfo(
         instance_id=config.instance_id,
         role=config.role,
-        address=f"{config.advertise_host}:{port}",
+        address=host_port(config.advertise_host, port),
         model=config.served_model_name,
         block_size=config.block_size,
         capacity_tokens=engine.kv_capacity_tokens(),
@@ -73,6 +73,7 @@ async def _serve(config: WorkerConfig, engine: Engine) -> bool:
         side=config.side,
         **placement(config.device),
     )
+    servicer.registration = info.to_json()
     if guard is not None:  # Worker calls are refused until here
         guard.bind(info.address)
     registration = Registration(config.etcd_access, info, ttl=max(2, round(config.lease_ttl)))

@@ -153,6 +153,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.aborted_total = 0
         self.pool_stats: dict | None = None
         """The latest of the connector's cumulative counters finished requests carried out."""
+        self.registration = b""
+        """What the worker registered in etcd (`InstanceInfo` JSON), reported by `Stats`:
+        the conductor routes to it only once that equals the registration it read."""
         self.on_retire: Callable[[], None] | None = None
         """Called by `Retire`: starts the process's ordered shutdown."""
         self._held: dict[str, asyncio.Event] = {}
@@ -314,6 +317,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             waiting=int(self.engine.load.get("waiting", 0)),
             kv_usage=float(self.engine.load.get("kv_usage", 0.0)),
             pool=pool_stats(self.pool_stats) if self.pool_stats is not None else None,
+            registration=self.registration,
         )
 
     async def Retire(self, request: worker_pb2.RetireRequest,
