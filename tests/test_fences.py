@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 import torch
 from conftest import wait_until
+from structlog.testing import capture_logs
 
 from store.connector.data import BlockTransfer, LoadJob, PoolConnectorMetadata
 from store.connector.settings import ConnectorSettings
@@ -218,3 +219,22 @@ def test_a_request_aborted_while_it_reloads_is_reported_by_its_load_alone():
     finally:
         stall.set()
         side.shutdown()
+
+
+def test_a_preemption_waits_for_a_save_given_up_on_past_any_bound_and_says_so(monkeypatch):
+    import store.connector.worker as worker
+
+    monkeypatch.setattr(worker, "STILL_WAITING_LOG_S", 0.05)
+    with _late_side(pooled=False) as (_, late, side, _), capture_logs() as logs:
+        side.wait_for_save(PoolConnectorMetadata(saves=[BlockTransfer("S", ("s",), (2,))]))
+        wait_until(lambda: side.fences.held("S"), 5)  # the saver gave up on its write
+        step = threading.Thread(target=side.handle_preemptions,
+                                args=(PoolConnectorMetadata(preempted={"S"}),), daemon=True)
+        step.start()
+        step.join(0.5)
+        assert step.is_alive()
+        assert sum(e["event"] == "kv_preempt_waiting_for_pool" for e in logs) >= 3
+        late.set()
+        step.join(5)
+        assert not step.is_alive()
+        assert side.transfer.stats.held_preempted == 1
