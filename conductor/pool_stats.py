@@ -103,6 +103,15 @@ class PoolCollector(Collector):
         seconds = HistogramMetricFamily("kvcluster_pool_transfer_seconds", "Latency of one "
                                         "save or load batch of a request's blocks.",
                                         labels=["instance", "direction"])
+        holds = CounterMetricFamily(
+            "kvcluster_pool_holds", "Requests whose KV blocks stayed allocated for a pool call "
+            "that could still read or write them, by cause: abandoned_call (a call given up on "
+            "after its timeout, until it returned), preemption (the engine's step waited for "
+            "a preempted request's saves before vLLM could reuse its blocks).",
+            labels=["instance", "cause"])
+        held = CounterMetricFamily("kvcluster_pool_held_seconds", "Seconds of those holds "
+                                   "(kvcluster_pool_holds), by cause.",
+                                   labels=["instance", "cause"])
         for iid, s in stats:
             for kind, name in BLOCK_KINDS.items():
                 blocks.add_metric([iid, kind], getattr(s, name))
@@ -115,7 +124,12 @@ class PoolCollector(Collector):
             for direction, h in (("save", s.save), ("load", s.load)):
                 if len(h.counts) == len(h.bounds) + 1:
                     seconds.add_metric([iid, direction], _cumulative(h), h.sum_seconds)
-        yield from (blocks, nbytes, lookups, seconds)
+            for cause, n, secs in (
+                    ("abandoned_call", s.held_abandoned, s.held_abandoned_seconds),
+                    ("preemption", s.held_preempted, s.held_preempted_seconds)):
+                holds.add_metric([iid, cause], n)
+                held.add_metric([iid, cause], secs)
+        yield from (blocks, nbytes, lookups, seconds, holds, held)
 
     def describe(self) -> Iterable[Metric]:
         return []

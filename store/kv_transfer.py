@@ -160,6 +160,14 @@ class TransferStats:
     load_batches: int = 0
     load_seconds: float = 0.0
     load_buckets: tuple[int, ...] = field(default_factory=_no_buckets)
+    held_abandoned: int = 0
+    """Requests whose blocks a pool call given up on kept allocated until it returned."""
+    held_abandoned_seconds: float = 0.0
+    """Their seconds from the call being given up on to its return."""
+    held_preempted: int = 0
+    """Preemptions whose step waited for a save that could still read the request's blocks
+    (vLLM had freed them already), the engine stalled meanwhile."""
+    held_preempted_seconds: float = 0.0
 
     def add(self, other: TransferStats) -> TransferStats:
         return TransferStats(**{k: _plus(v, getattr(other, k)) for k, v in asdict(self).items()})
@@ -385,6 +393,18 @@ class KVTransfer:
         """Blocks a caller skipped because another save of the same batch covers them."""
         with self._lock:
             self.stats.blocks_deduplicated += blocks
+
+    def count_held(self, seconds: float, *, preempted: bool) -> None:
+        """Blocks kept `seconds` for a pool call on them: a preempted request's, or a request's
+        that a call given up on may still touch."""
+        with self._lock:
+            s = self.stats
+            if preempted:
+                s.held_preempted += 1
+                s.held_preempted_seconds += seconds
+            else:
+                s.held_abandoned += 1
+                s.held_abandoned_seconds += seconds
 
     def snapshot(self) -> TransferStats:
         with self._lock:

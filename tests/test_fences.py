@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 import torch
 from conftest import wait_until
+from structlog.testing import capture_logs
 
 from store.connector.data import BlockTransfer, LoadJob, PoolConnectorMetadata
 from store.connector.settings import ConnectorSettings
@@ -71,33 +72,12 @@ def _finished(side: WorkerSide, finished: set[str]) -> tuple[set[str], set[str]]
     return sent or set(), received or set()
 
 
-def test_a_load_given_up_on_holds_its_blocks_until_the_late_write_is_done():
-    """The request keeps a valid block (a local prefix hit, block 0): it recomputes the rest
-    at once, and its blocks stay allocated after it finishes until the write landed."""
-    with _late_side(pooled=True) as (_, late, side, layers):
-        side.start_load_kv(PoolConnectorMetadata(loads=[LoadJob("A", ("k",), (1,),
-                                                                first_block=1)]))
-        received: set[str] = set()
-        wait_until(lambda: received.update(_finished(side, set())[1]) or "A" in received, 5)
-        result = side.worker_meta().loads["A"]  # what the scheduler side learns
-        assert (result.loaded, result.failed, result.fenced, result.valid_blocks) == \
-            (0, 1, True, 1)
-        assert 1 in side.invalid_blocks()  # the request recomputes the block meanwhile
-        # the request ends; its blocks must not go back to vLLM while the read may land
-        assert _finished(side, {"A"})[0] == set()
-        assert _finished(side, set())[0] == set()
-        assert float(layers[0][1].max()) == 0.0
-        late.set()
-        wait_until(lambda: float(layers[0][1].min()) == PATTERN, 5)
-        sent: set[str] = set()
-        wait_until(lambda: sent.update(_finished(side, set())[0]) or "A" in sent, 5)
-
-
-def test_a_load_given_up_on_that_kept_no_valid_block_reports_once_done():
-    """No local prefix hit and the first block given up on: vLLM frees the request's blocks as
-    the load reports (`Scheduler._update_waiting_for_remote_kv`), so the report waits for the
-    late write; the request, not aborted, then learns its blocks are to be recomputed and
-    nothing fences them any more."""
+def test_a_load_given_up_on_is_reported_only_once_the_late_write_is_done():
+    """Whatever the request kept valid: vLLM frees a request's blocks as its load reports if
+    it kept none (`Scheduler._update_waiting_for_remote_kv`), or if it was aborted, which
+    vLLM may take between a step's output and its processing, after the worker reported
+    (tests/test_block_lifetime.py shows it on vLLM's scheduler). Meanwhile vLLM may learn
+    which blocks failed; once reported, the request recomputes them."""
     with _late_side(pooled=True) as (_, late, side, layers):
         side.start_load_kv(PoolConnectorMetadata(loads=[LoadJob("A", ("k",), (1,))]))
         wait_until(lambda: side.fences.held("A"), 5)  # the loader gave up on its read
@@ -110,8 +90,10 @@ def test_a_load_given_up_on_that_kept_no_valid_block_reports_once_done():
         received: set[str] = set()
         wait_until(lambda: received.update(_finished(side, set())[1]) or "A" in received, 5)
         result = side.worker_meta().loads["A"]
-        assert (result.loaded, result.valid_blocks, result.fenced) == (0, 0, False)
-        assert _finished(side, {"A"}) == (set(), set())  # its end needs no report: not fenced
+        assert (result.loaded, result.failed) == (0, 1)
+        assert _finished(side, {"A"}) == (set(), set())  # its end needs no report
+        assert side.transfer.stats.held_abandoned == 1
+        assert side.transfer.stats.held_abandoned_seconds > 0
 
 
 def test_a_withheld_load_whose_request_is_then_aborted_reports_once_done_and_once():
@@ -125,7 +107,7 @@ def test_a_withheld_load_whose_request_is_then_aborted_reports_once_done_and_onc
         received: set[str] = set()
         wait_until(lambda: received.update(_finished(side, set())[1]) or "A" in received, 5)
         assert _finished(side, set()) == (set(), set())
-        assert not side._cancelled  # nothing left behind for it
+        assert not side._cancelled and not side._loading  # nothing left behind for it
 
 
 def test_a_load_given_up_on_in_the_step_its_request_is_aborted_reports_once_done():
@@ -179,3 +161,80 @@ def test_a_staged_load_given_up_on_keeps_the_staging_buffer_until_it_is_done():
         assert float(dst[0][1].min()) == PATTERN
     finally:
         late.set()
+
+
+def test_a_request_aborted_after_its_load_reported_is_never_reported_as_saved():
+    """A request that saved blocks, was preempted and reloads them (its saves long done), is
+    aborted just after the worker reported the load, before vLLM took that report: vLLM frees
+    it as it takes the report, and a later report of its saves (`finished_sending`) would find
+    no such request (vLLM asserts)."""
+    with _late_side(pooled=True) as (_, late, side, _):
+        late.set()
+        side.pool.pool.late = None
+        side.wait_for_save(PoolConnectorMetadata(saves=[BlockTransfer("A", ("s",), (2,))]))
+        assert side.saver is not None
+        wait_until(lambda: side.saver.pending("A") == 0, 5)
+        side.handle_preemptions(PoolConnectorMetadata(preempted={"A"}))
+        side.start_load_kv(PoolConnectorMetadata(loads=[LoadJob("A", ("k",), (1,))]))
+        received: set[str] = set()
+        wait_until(lambda: received.update(_finished(side, set())[1]) or "A" in received, 5)
+        side.start_load_kv(PoolConnectorMetadata(cancelled={"A"}))  # the abort, one step on
+        for finished in ({"A"}, set(), set()):
+            assert _finished(side, finished) == (set(), set())
+        assert not (side._saving or side._finishing or side._cancelled or side._loading)
+
+
+def test_a_request_aborted_while_it_reloads_is_reported_by_its_load_alone():
+    """As above, aborted while the load runs: its saves' report would free the blocks the
+    load writes; the load's report, once it is done, is the request's only one."""
+    class Stalls(InMemoryPool):
+        entered = threading.Event()
+
+        def _stalled(self) -> None:
+            if self.stall is not None:
+                self.entered.set()
+            super()._stalled()
+
+    pool = Stalls()
+    _pooled(pool, "k")
+    side, layers = _worker(pool)
+    stall = threading.Event()
+    try:
+        side.wait_for_save(PoolConnectorMetadata(saves=[BlockTransfer("A", ("s",), (2,))]))
+        assert side.saver is not None
+        wait_until(lambda: side.saver.pending("A") == 0, 5)
+        side.handle_preemptions(PoolConnectorMetadata(preempted={"A"}))
+        pool.stall = stall
+        side.start_load_kv(PoolConnectorMetadata(loads=[LoadJob("A", ("k",), (1,))]))
+        assert pool.entered.wait(5)  # the read runs ...
+        side.start_load_kv(PoolConnectorMetadata(cancelled={"A"}))  # ... as A is aborted
+        for finished in ({"A"}, set(), set()):
+            assert _finished(side, finished) == (set(), set())
+        stall.set()
+        wait_until(lambda: float(layers[0][1].min()) == PATTERN, 5)
+        received: set[str] = set()
+        wait_until(lambda: received.update(_finished(side, set())[1]) or "A" in received, 5)
+        assert _finished(side, set()) == (set(), set())
+        assert not (side._saving or side._finishing or side._cancelled or side._loading)
+    finally:
+        stall.set()
+        side.shutdown()
+
+
+def test_a_preemption_waits_for_a_save_given_up_on_past_any_bound_and_says_so(monkeypatch):
+    import store.connector.worker as worker
+
+    monkeypatch.setattr(worker, "STILL_WAITING_LOG_S", 0.05)
+    with _late_side(pooled=False) as (_, late, side, _), capture_logs() as logs:
+        side.wait_for_save(PoolConnectorMetadata(saves=[BlockTransfer("S", ("s",), (2,))]))
+        wait_until(lambda: side.fences.held("S"), 5)  # the saver gave up on its write
+        step = threading.Thread(target=side.handle_preemptions,
+                                args=(PoolConnectorMetadata(preempted={"S"}),), daemon=True)
+        step.start()
+        step.join(0.5)
+        assert step.is_alive()
+        assert sum(e["event"] == "kv_preempt_waiting_for_pool" for e in logs) >= 3
+        late.set()
+        step.join(5)
+        assert not step.is_alive()
+        assert side.transfer.stats.held_preempted == 1

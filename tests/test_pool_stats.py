@@ -54,7 +54,9 @@ def test_pool_stats_on_the_wire_carry_every_counter_and_both_histograms() -> Non
     stats = TransferStats(blocks_written=7, bytes_written=7168, blocks_deduplicated=2,
                           save_skipped_full=1, save_failed=3, blocks_saved_generated=4,
                           save_batches=5, save_seconds=0.5, blocks_loaded=6, bytes_loaded=6144,
-                          load_failed=1, load_batches=2, load_seconds=0.25)
+                          load_failed=1, load_batches=2, load_seconds=0.25,
+                          held_abandoned=2, held_abandoned_seconds=3.5, held_preempted=1,
+                          held_preempted_seconds=0.25)
     stats.save_buckets = (3, 1) + (0,) * (len(LATENCY_BOUNDS_S) - 2) + (1,)
     # as the engine hands it over: msgpack turns the tuples into lists
     carried = json.loads(json.dumps({**LOOKUPS, **asdict(stats)}))
@@ -64,6 +66,7 @@ def test_pool_stats_on_the_wire_carry_every_counter_and_both_histograms() -> Non
         if f.type == "int" and not f.name.endswith("_batches"):
             assert getattr(wire, f.name) == getattr(stats, f.name), f.name
     assert set(LOOKUPS) <= wire_names
+    assert (wire.held_abandoned_seconds, wire.held_preempted_seconds) == (3.5, 0.25)
     assert wire.lookup_misses == 1 and wire.lookups == 5
     assert list(wire.save.bounds) == list(LATENCY_BOUNDS_S)
     assert list(wire.save.counts) == list(stats.save_buckets)
@@ -109,6 +112,8 @@ def test_conductor_exposes_each_instances_pool_counters(model_dir: str) -> None:
         lookups=5, lookup_misses=1, lookup_unavailable=1, lookup_blocks_hit=9,
         blocks_written=7, bytes_written=7168, blocks_deduplicated=2, save_skipped_full=1,
         blocks_saved_generated=4, blocks_loaded=6, bytes_loaded=6144, load_failed=1,
+        held_abandoned=2, held_abandoned_seconds=3.5, held_preempted=1,
+        held_preempted_seconds=0.25,
         save=worker_pb2.LatencyHistogram(bounds=[0.01, 0.1], counts=[3, 1, 1], sum_seconds=0.4,
                                          count=5))
     with LocalConductor(model_dir, conductor_args=("--stats-interval-s", "0.1")) as c:
@@ -148,3 +153,7 @@ def test_conductor_exposes_each_instances_pool_counters(model_dir: str) -> None:
     assert _value(hist, "kvcluster_pool_transfer_seconds_count", direction="save") == 5
     assert _value(hist, "kvcluster_pool_transfer_seconds_sum", direction="save") == 0.4
     assert _value(hist, bucket, direction="load") is None, "no load histogram was reported"
+    holds, held = fams["kvcluster_pool_holds"], fams["kvcluster_pool_held_seconds"]
+    for cause, n, seconds in (("abandoned_call", 2, 3.5), ("preemption", 1, 0.25)):
+        assert _value(holds, "kvcluster_pool_holds_total", cause=cause) == n, cause
+        assert _value(held, "kvcluster_pool_held_seconds_total", cause=cause) == seconds, cause

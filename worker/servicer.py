@@ -128,8 +128,9 @@ def pool_stats(stats: dict) -> worker_pb2.PoolStats:
     """The connector's `pool_stats` (`PoolConnector.stats`) on the wire."""
     from store.kv_transfer import LATENCY_BOUNDS_S
 
-    counters = {f.name: int(stats.get(f.name, 0)) for f in worker_pb2.PoolStats.DESCRIPTOR.fields
-                if f.type != f.TYPE_MESSAGE}
+    fields = worker_pb2.PoolStats.DESCRIPTOR.fields
+    counters = {f.name: (float if f.type == f.TYPE_DOUBLE else int)(stats.get(f.name, 0))
+                for f in fields if f.type != f.TYPE_MESSAGE}
     out = worker_pb2.PoolStats(**counters)
     for name in ("save", "load"):
         buckets = stats.get(f"{name}_buckets") or ()

@@ -18,7 +18,9 @@ and V), by Mooncake's zero-copy batch calls: no Python-level copy.
 
 Saves run on a background thread, after a `batch_is_exist` that skips blocks already pooled
 (a shared prefix is written once cluster-wide); a finished request's blocks stay allocated
-(`request_finished` answers "delay free") until its saves are done (`get_finished`).
+(`request_finished` answers "delay free") until its saves are done (`get_finished`). No pool
+call outlives the blocks it reads or writes, however long it takes, also when vLLM preempts
+or aborts the request meanwhile, or the pool gave up on the call (see `worker`).
 
 Generated blocks (`save_generated`) are what a stream that migrates after its decode instance
 died needs: the continuation's prompt is the prompt plus the tokens sent, whose chained

@@ -37,14 +37,12 @@ class LoadJob:
     keys: tuple[str, ...]
     block_ids: tuple[int, ...]
     wait_s: float = 0.0
-    first_block: int = 0
-    """The request's blocks before this job's: its local prefix hits, valid whatever the
-    load does."""
 
 
 @dataclass(frozen=True)
 class LoadResult:
-    """One finished load: how far it got, and where its time went."""
+    """One finished load: how far it got, and where its time went. Reported once no read of
+    it can write the request's blocks any more (`store.connector.fences`)."""
 
     loaded: int
     """Blocks loaded: a prefix of the job's."""
@@ -54,12 +52,6 @@ class LoadResult:
     """Seconds spent waiting for blocks that were not in the pool yet."""
     load_s: float
     """Seconds spent copying blocks."""
-    fenced: bool = False
-    """A read the pool gave up on may still write the request's blocks: they stay allocated
-    after it finishes until the worker side reports it (`store.connector.fences`)."""
-    valid_blocks: int = 0
-    """The request's blocks valid once this load reports: its local prefix hits and the
-    blocks loaded. With none, vLLM frees the request's blocks as the load reports."""
 
 
 @dataclass
@@ -69,7 +61,8 @@ class PoolConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
     cancelled: set[str] = field(default_factory=set)
-    """Requests whose loads may stop waiting (they were aborted)."""
+    """Requests finished (aborted) before their load reported: the load may stop waiting, and
+    vLLM frees their blocks as it reports (and only then)."""
     preempted: set[str] = field(default_factory=set)
 
 

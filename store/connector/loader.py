@@ -47,8 +47,7 @@ class _Active:
     def result(self, now: float) -> LoadResult:
         elapsed = now - self.started
         return LoadResult(loaded=self.done, failed=len(self.job.keys) - self.done,
-                          wait_s=max(elapsed - self.load_s, 0.0), load_s=self.load_s,
-                          fenced=bool(self.late), valid_blocks=self.job.first_block + self.done)
+                          wait_s=max(elapsed - self.load_s, 0.0), load_s=self.load_s)
 
 
 @dataclass
@@ -67,10 +66,8 @@ class Loader:
     def __init__(self, transfer: KVTransfer, poll_s: float, fences: RequestFences) -> None:
         self.transfer = transfer
         self.fences = fences
-        """Where a job whose read was given up on holds its request. The loader reports such a
-        job at once (`fenced`), except a cancelled one, which it retires only once its reads
-        are done; the worker side withholds the report of one that kept no valid block
-        (`store.connector.fences`)."""
+        """Where a finished job whose reads were given up on holds its request, before its
+        result is taken: the worker side reports it once none of them can write."""
         self.poll_s = poll_s
         self._new: queue.SimpleQueue[LoadJob] = queue.SimpleQueue()
         self._cancel: set[str] = set()
@@ -166,15 +163,13 @@ class Loader:
 
     def _retire(self, active: dict[str, _Active]) -> None:
         now = time.monotonic()
-        done = {rid: a for rid, a in active.items() if a.finished(now)
-                and not (a.cancelled and any(not f.done() for f in a.late))}
+        done = {rid: a for rid, a in active.items() if a.finished(now)}
         if not done:
             return
         with self._lock:
             for rid, a in done.items():
                 del active[rid]
-                if not a.cancelled:
-                    self.fences.hold([rid], a.late)
+                self.fences.hold([rid], a.late)
                 self._finished.results[rid] = a.result(now)
                 self._finished.invalid.update(a.job.block_ids[a.done:])
                 if a.done < len(a.job.keys) and not a.cancelled:

@@ -164,8 +164,7 @@ class SchedulerSide:
         tracked.loading = count
         self._pending_loads.append(LoadJob(
             request_id=request.request_id, keys=tuple(tracked.keys[first:first + count]),
-            block_ids=tuple(block_ids[first:first + count]), wait_s=tracked.wait_s,
-            first_block=first))
+            block_ids=tuple(block_ids[first:first + count]), wait_s=tracked.wait_s))
 
     # ------------------------------------------------------------------ saves
 
@@ -258,15 +257,16 @@ class SchedulerSide:
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        """Delays freeing the blocks of a request with saves planned, or whose load a pool call
-        given up on may still write (`LoadResult.fenced`): the worker reports it in
-        `get_finished` once they are written (or given up) and no such call runs. A request
-        aborted while its load waits lets the loader stop waiting (vLLM keeps its blocks
-        until the load reports)."""
+        """Delays freeing the blocks of a request with saves planned: the worker reports it in
+        `get_finished` once they are written (or given up) and no pool call given up on can
+        still read them. A request finished while its load has not reported (aborted) lets the
+        loader stop waiting; vLLM frees its blocks as the load reports, and only then, so the
+        worker never reports its saves (`cancelled`)."""
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is None:
             return False, None
-        if tracked.loading and tracked.load is None:
+        loading = bool(tracked.loading) and tracked.load is None
+        if loading:
             self._cancelled.add(request.request_id)
 
         load = tracked.load
@@ -283,5 +283,4 @@ class SchedulerSide:
         if load is not None:
             params["pool_times"] = {"wait_s": load.wait_s, "load_s": load.load_s,
                                     "blocks": loaded}
-        fenced = load is not None and load.fenced  # the worker side reports it when safe
-        return (self.saves and tracked.planned > 0) or fenced, params
+        return self.saves and tracked.planned > 0 and not loading, params

@@ -1,14 +1,22 @@
 """The connector's worker side (in the process that owns the paged KV cache): registers the
 cache with the pool, hands planned saves to the saver and loads to the loader, and reports
-what finished. Nothing here blocks the forward pass, except that a preempted request's saves
-(and pool calls given up on that may still touch its blocks) are finished before vLLM frees
-its blocks."""
+what finished. Nothing here blocks the forward pass, except that a step after a preemption
+waits for the pool calls that may still read the preempted requests' blocks.
+
+No pool call outlives the blocks it reads or writes, and nothing here gives up on one after
+a while: a request's saves are reported done (vLLM then frees its blocks) only once no save
+and no call given up on (`store.connector.fences`) can still read them; a load is reported
+(vLLM may then free the request's blocks, if it was aborted meanwhile, or kept no valid
+block) only once none of its reads can still write them; and vLLM, which frees a preempted
+request's blocks at once and may give them to another request in that very step, learns of
+the preemption in `handle_preemptions`, before that step's forward pass and loads: that
+waits until no save of the request can still read them, however long it takes. Both waits
+are counted (`TransferStats.held_*`)."""
 
 from __future__ import annotations
 
 import time
 from contextlib import AbstractContextManager
-from dataclasses import replace
 
 import structlog
 import torch
@@ -22,7 +30,8 @@ from store.kv_transfer import BlockLayout, KVTransfer, block_dim
 
 log = structlog.get_logger(__name__)
 
-_PREEMPT_WAIT_S = 30.0
+STILL_WAITING_LOG_S = 5.0
+"""A step waiting for a preempted request's pool calls says so this often (and keeps waiting)."""
 
 
 class WorkerSide:
@@ -33,20 +42,20 @@ class WorkerSide:
         self.transfer: KVTransfer | None = None
         self.saver: Saver | None = None
         self.loader: Loader | None = None
+        self.fences = RequestFences(self._held_for_abandoned_call)
         self._saving: set[str] = set()
-        """Requests with saves submitted and not yet reported finished."""
-        self.fences = RequestFences()
-        self._fenced: set[str] = set()
-        """Requests whose load reported `fenced`: the scheduler side delays freeing them."""
-        self._cancelled: set[str] = set()
-        """Requests aborted while their load ran whose load has not reported yet."""
-        self._withheld: dict[str, LoadResult] = {}
-        """Loads with calls the pool gave up on, reported only once none of those can write:
-        the request's blocks are freed as the load reports (an aborted request's, and one's
-        that kept no valid block: `LoadResult.valid_blocks`)."""
+        """Requests with saves submitted whose end is not reported yet: the scheduler side
+        delays freeing them once finished, until `get_finished` reports them."""
         self._finishing: set[str] = set()
+        """Of `_saving`, those finished."""
+        self._loading: set[str] = set()
+        """Requests with a load submitted and not reported yet."""
+        self._cancelled: set[str] = set()
+        """Of `_loading`, those finished meanwhile: vLLM frees them as their load reports."""
+        self._withheld: dict[str, LoadResult] = {}
+        """Finished loads not reported yet: a read of theirs given up on can still write."""
         self._invalid: set[int] = set()
-        self._loads: dict = {}
+        self._loads: dict[str, LoadResult] = {}
 
     def mem_pool_context(self) -> AbstractContextManager | None:
         """With `store_client`: vLLM allocates the KV cache (one CPU int8 buffer,
@@ -79,8 +88,11 @@ class WorkerSide:
         """Hand this step's loads to the loader (after the forward pass was launched)."""
         if self.loader is None:
             return
-        # a withheld load reports once safe, aborted or not: no cancel to remember for it
-        self._cancelled |= meta.cancelled - self._withheld.keys()
+        self._loading.update(job.request_id for job in meta.loads)
+        # finished before their load reported: vLLM frees them as it does, and only then. A
+        # load reported already (in the output vLLM took this abort before) frees them there.
+        self._forget(meta.cancelled - self._loading)
+        self._cancelled |= meta.cancelled & self._loading
         self.loader.cancel(meta.cancelled)
         self.loader.submit(meta.loads)
 
@@ -96,48 +108,62 @@ class WorkerSide:
         self.saver.submit(list(meta.saves))
 
     def handle_preemptions(self, meta: PoolConnectorMetadata) -> None:
-        """A preempted request's blocks are freed at once: finish its saves first."""
-        busy = meta.preempted & (self._saving | self._fenced)
+        """vLLM has freed the preempted requests' blocks and may write them in this step:
+        first, every save that may still read them ends, however long that takes."""
+        busy = {r for r in meta.preempted if self._touched(r)}
         if not busy:
             return
-        deadline = time.monotonic() + _PREEMPT_WAIT_S
-        saved = self.saver is None or self.saver.wait_idle(busy, _PREEMPT_WAIT_S)
-        if not (saved and self.fences.wait(busy, max(deadline - time.monotonic(), 0.0))):
-            log.error("kv_save_preempt_wait_timeout", requests=sorted(busy))
+        t0 = time.monotonic()
+        while not self._ended(busy, STILL_WAITING_LOG_S):
+            log.warning("kv_preempt_waiting_for_pool", requests=sorted(busy),
+                        waited_s=round(time.monotonic() - t0, 1))
+        seconds = time.monotonic() - t0
+        if self.transfer is not None:
+            self.transfer.count_held(seconds, preempted=True)
+        log.info("kv_preempt_waited", requests=sorted(busy), waited_s=round(seconds, 4))
+
+    def _touched(self, request_id: str) -> bool:
+        """A save, or a pool call given up on, may still read or write its blocks."""
+        return ((self.saver is not None and self.saver.pending(request_id) > 0)
+                or self.fences.held(request_id))
+
+    def _ended(self, request_ids: set[str], timeout: float) -> bool:
+        """Whether the requests' saves, then the calls given up on that they left, ended
+        within `timeout` (a save gives up on its call before it counts as done)."""
+        deadline = time.monotonic() + timeout
+        saved = self.saver is None or self.saver.wait_idle(request_ids, timeout)
+        return saved and self.fences.wait(request_ids, max(deadline - time.monotonic(), 0.0))
+
+    def _held_for_abandoned_call(self, seconds: float) -> None:
+        if self.transfer is not None:
+            self.transfer.count_held(seconds, preempted=False)
+
+    def _forget(self, request_ids: set[str]) -> None:
+        """Requests vLLM frees on their load's report: never to be reported as saved."""
+        self._saving -= request_ids
+        self._finishing -= request_ids
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
-        """(requests whose saves are done, requests whose loads are done). A finished load's
-        failed blocks go out through `invalid_blocks` in the same step."""
-        self._finishing |= finished_req_ids & (self._saving | self._fenced)
-        sent = None
-        if self._finishing:
-            saver = self.saver
-            done = {r for r in self._finishing if (saver is None or not saver.pending(r))
-                    and not self.fences.held(r)}
-            self._finishing -= done
-            self._saving -= done
-            self._fenced -= done
-            sent = done or None
-        received = None
+        """(requests whose saves are done, requests whose loads are done), each once no pool
+        call can touch the request's blocks any more. A finished load's failed blocks go out
+        through `invalid_blocks` no later than the step that reports it."""
+        self._finishing |= (finished_req_ids & self._saving) - self._cancelled
+        sent = {r for r in self._finishing if not self._touched(r)}
+        self._finishing -= sent
+        self._saving -= sent
+        received: set[str] = set()
         if self.loader is not None:
             loads, invalid = self.loader.take_finished()
             self._invalid |= invalid
-            for rid, result in loads.items():
-                if result.fenced and (rid in self._cancelled or not result.valid_blocks):
-                    # vLLM frees the blocks as this reports (`Scheduler.finish_requests`,
-                    # `_update_waiting_for_remote_kv`): not while a given-up read can land
-                    self._withheld[rid] = result
-                else:
-                    if result.fenced:
-                        self._fenced.add(rid)
-                    self._loads[rid] = result
-            self._cancelled -= loads.keys()
-            safe = {r for r in self._withheld if not self.fences.held(r)}
-            for rid in safe:  # nothing can write its blocks any more: not fenced now
-                self._loads[rid] = replace(self._withheld.pop(rid), fenced=False)
-            received = (loads.keys() - self._withheld.keys()) | safe or None
-        return sent, received
+            self._withheld.update(loads)
+            received = {r for r in self._withheld if not self._touched(r)}
+            for rid in received:
+                self._loads[rid] = self._withheld.pop(rid)
+            self._loading -= received
+            self._forget(received & self._cancelled)
+            self._cancelled -= received
+        return sent or None, received or None
 
     def invalid_blocks(self) -> set[int]:
         invalid, self._invalid = self._invalid, set()

@@ -23,7 +23,9 @@ class InMemoryPool:
     (exists all False, gets miss, writes `unavailable`, removes nothing, not healthy);
     `late` (an Event) makes `get_into`/`put_from` calls the pool's timeout abandoned: they
     answer at once as failed (`unavailable`) and do their copies only once `late` is set,
-    reported through `fences`. Read leases are not emulated: `remove` always removes.
+    reported through `fences`; `stall` (an Event) makes them slow calls the pool still waits
+    for: they do their copies and answer once it is set. Read leases are not emulated:
+    `remove` always removes.
     """
 
     def __init__(self, capacity_bytes: int | None = None) -> None:
@@ -31,6 +33,7 @@ class InMemoryPool:
         self.fail_puts = False
         self.down = False
         self.late: threading.Event | None = None
+        self.stall: threading.Event | None = None
         self._data: dict[str, bytes] = {}
         self._used = 0
         self._lock = threading.Lock()
@@ -106,6 +109,7 @@ class InMemoryPool:
                  segment: str | None = None, fences: Fences | None = None) -> PutReport:
         if self._abandoned(fences, self._put_now, keys, ranges):
             return PutReport.of([Outcome.UNAVAILABLE] * len(keys))
+        self._stalled()
         return self._put_now(keys, ranges)
 
     def _put_now(self, keys: Sequence[str], ranges: Sequence[Ranges]) -> PutReport:
@@ -134,6 +138,11 @@ class InMemoryPool:
             fences.append(fut)
         return True
 
+    def _stalled(self) -> None:
+        stall = self.stall
+        if stall is not None:
+            stall.wait()
+
     def segment_of(self, key: str) -> str | None:
         """One segment, "memory", for whatever it holds."""
         return "memory" if self.exists([key])[0] else None
@@ -142,6 +151,7 @@ class InMemoryPool:
                  fences: Fences | None = None) -> list[bool]:
         if self._abandoned(fences, self._get_now, keys, ranges):
             return [False] * len(keys)
+        self._stalled()
         return self._get_now(keys, ranges)
 
     def _get_now(self, keys: Sequence[str], ranges: Sequence[Ranges]) -> list[bool]:
