@@ -229,8 +229,16 @@ class EmbeddedCluster:
         return self
 
     def wide_listeners(self) -> list[tuple[str, int, int]]:
-        """(address, port, pid) of what the cluster's processes listen on beyond loopback."""
-        pids = {c.pid for c in psutil.Process().children(recursive=True)}
+        """(address, port, pid) of what the cluster's processes (and theirs) listen on
+        beyond loopback."""
+        servers = (self.etcd, self.master, self.store_client)
+        roots = [s.pid for s in servers if s is not None and s.pid is not None]
+        roots += [p.pid for p in (*(w.process for w in self.workers.values()), self.conductor)
+                  if p is not None and p.proc is not None]
+        pids = set(roots)
+        for pid in roots:
+            with contextlib.suppress(psutil.Error):
+                pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
         return loopback.wide_listeners(pids)
 
     def _check_loopback(self) -> None:
