@@ -62,6 +62,9 @@ class WorkerSpec(EngineSpec):
     machine_cpus: str = ""
     """Where an engine without cores of its own (unplaced: `ResizePool`, tests) computes when
     the worker is started from a process kept to the serving cores; "": where it starts."""
+    allow_wildcard_binds: bool = False
+    """Start workers even where their engines' Mooncake listeners cannot be kept on
+    loopback (`cluster.loopback`); else that is `LoopbackUnavailable`."""
     serving_cpus: str = ""
     """Where the worker's own process (its front end) runs (`Shape.serving_cpus`), whoever
     starts it: the launcher, or the conductor (`ResizePool`), which may run elsewhere
@@ -139,7 +142,7 @@ class WorkerSpec(EngineSpec):
                 env[STEP_MS_ENV] = f"{self.step_target_ms:g}"
         env.update(dict(self.env))
         # its worker binds loopback (WorkerConfig.host), and so does its engine's Mooncake
-        env = loopback.env("127.0.0.1", env)
+        env = loopback.env("127.0.0.1", env, allow_wildcard=self.allow_wildcard_binds)
         # the launcher removes its engine's sockets, also when it was killed
         proc = ManagedProcess(instance_id, argv, Path(self.run_dir) / f"{instance_id}.log",
                               env=env, scratch=vllm_scratch(env))

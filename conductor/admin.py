@@ -28,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from conductor.errors import ConductorError, mapping
 from conductor.provision import Provisioner
 from conductor.registry import Instance, Registry
+from conductor.resize import Member, ResizePlan, plan, serves
 from conductor.scheduler.index import POOL
 from protos import admin_pb2, admin_pb2_grpc, worker_pb2
 
@@ -61,16 +62,13 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         return await continuation(details)
 
 
-def _serves(inst: Instance, role: str) -> bool:
-    return inst.role in (role, "both")
-
-
 class AdminServicer(admin_pb2_grpc.AdminServicer):
     def __init__(self, conductor: Any, provisioner: Provisioner) -> None:
         self.c = conductor
         self.registry: Registry = conductor.registry
         self.router = conductor.pipeline.router
         self.provisioner = provisioner
+        self._resize_lock = asyncio.Lock()
 
     # ---------------------------------------------------------------- instances
 
@@ -94,74 +92,77 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     # ---------------------------------------------------------------- pools
 
     def _serving(self, role: str) -> list[Instance]:
-        return [i for i in self.registry.all() if i.routable and _serves(i, role)]
+        return [i for i in self.registry.all() if i.routable and serves(i.role, role)]
+
+    def _members(self) -> list[Member]:
+        return [Member(i.instance_id, i.role, i.info.role, i.routable, i.draining, i.unhealthy,
+                       i.load.in_flight(), self.provisioner.started_here(i.instance_id),
+                       i.info.side) for i in self.registry.all()]
+
+    def _joined(self, instance_id: str) -> bool:
+        inst = self.registry.get(instance_id)
+        return inst is not None and inst.verified
 
     async def ResizePool(self, request: admin_pb2.ResizePoolRequest,
                          context: grpc.aio.ServicerContext) -> admin_pb2.ResizePoolReply:
-        role, target = request.role, request.target
-        if role not in ("prefill", "decode"):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"role must be prefill or decode, got {role!r}")
-        if target < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "target must be >= 0")
-        other = "decode" if role == "prefill" else "prefill"
-        reply = admin_pb2.ResizePoolReply(role=role, target=target)
-        serving = self._serving(role)
-        reply.before = len(serving)
-        short = target - len(serving)
-        # growing: undrain first (already loaded), then switch "both" instances routed as the
-        # other role, then start processes (embedded mode)
-        for inst in sorted(self.registry.all(), key=lambda i: i.instance_id):
-            if short <= 0:
-                break
-            if inst.draining and not inst.unhealthy and _serves(inst, role):
-                self.registry.set_draining(inst.instance_id, False)
-                reply.undrained.append(inst.instance_id)
-                short -= 1
-        for inst in sorted(self.registry.all(), key=lambda i: i.load.in_flight()):
-            if short <= 0:
-                break
-            if inst.routable and inst.info.role == "both" and inst.role == other:
-                self.registry.set_role(inst.instance_id, role)
-                reply.switched.append(inst.instance_id)
-                short -= 1
-        if short > 0 and self.provisioner.can_start:
-            for _ in range(short):
-                reply.started.append(self.provisioner.start(role))
-            short = 0
-        # shrinking: surplus instances leave the role, those the conductor started first,
-        # then the least loaded; "both" instances switch to the other role rather than stop
-        surplus = -short if short < 0 else 0
-        if surplus:
-            order = sorted(self._serving(role), key=lambda i: (
-                not self.provisioner.started_here(i.instance_id), i.load.in_flight(),
-                i.instance_id))
-            for inst in order[:surplus]:
-                if inst.info.role == "both" and inst.role != other and self._serving(other):
-                    self.registry.set_role(inst.instance_id, other)
-                    reply.switched.append(inst.instance_id)
-                else:
-                    self.registry.set_draining(inst.instance_id, True)
-                    reply.drained.append(inst.instance_id)
-                    if self.provisioner.can_start:  # else kept as a standby to undrain
-                        self.provisioner.retire_when_idle(inst)
-        if short > 0:
-            reply.unmet = (f"{short} {role} instance(s) short: a deployed cluster cannot start "
-                           f"processes; start workers with deploy/{role}.sh (or --role both to "
-                           "make instances switchable)")
-        if request.wait and reply.started:
+        """Plans (`conductor.resize`) and acts under one lock, so that calls at once see each
+        other's starts; a plan that starts workers the machine cannot hold is refused
+        (FAILED_PRECONDITION) before anything changes. `wait` waits outside the lock."""
+        async with self._resize_lock:
+            starting = self.provisioner.starting(self._joined)
+            try:
+                p = plan(request.role, request.target, self._members(), starting,
+                         self.provisioner.can_start)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            engines = len({i.instance_id for i in self.registry.all()}
+                          | {s.instance_id for s in starting})  # all on this machine
+            why = self.provisioner.refusal(p.start, engines, len(starting))
+            if why:
+                log.warning("pool_resize_refused", role=p.role, target=p.target, reason=why)
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"cannot start {p.start} {p.role} worker(s): {why}")
+            reply = await self._apply(p)
+        wait_for = [*reply.started, *reply.starting]
+        if request.wait and wait_for:
             timeout = request.timeout_s or _DEFAULT_WAIT_S
             if not await self._until(lambda: all(
                     (i := self.registry.get(iid)) is not None and i.routable
-                    for iid in reply.started), timeout):
-                missing = [iid for iid in reply.started if self.registry.get(iid) is None]
+                    for iid in wait_for), timeout):
+                missing = [iid for iid in wait_for if self.registry.get(iid) is None]
                 reply.unmet = (f"started instances not routable after {timeout:.0f}s: "
                                f"{missing}; see their logs")
-        reply.after = len(self._serving(role))
-        log.info("pool_resized", role=role, target=target, before=reply.before,
-                 after=reply.after, started=list(reply.started), drained=list(reply.drained),
+        reply.after = len(self._serving(p.role))
+        log.info("pool_resized", role=p.role, target=p.target, before=reply.before,
+                 after=reply.after, started=list(reply.started),
+                 starting=list(reply.starting), drained=list(reply.drained),
                  switched=list(reply.switched), undrained=list(reply.undrained),
-                 unmet=reply.unmet)
+                 cancelled=list(reply.cancelled), unmet=reply.unmet)
+        return reply
+
+    async def _apply(self, p: ResizePlan) -> admin_pb2.ResizePoolReply:
+        reply = admin_pb2.ResizePoolReply(role=p.role, target=p.target, before=p.before,
+                                          starting=p.starting, undrained=p.undrain,
+                                          cancelled=p.cancel)
+        for iid in p.undrain:
+            self.registry.set_draining(iid, False)
+        for iid, role in p.switch:
+            self.registry.set_role(iid, role)
+            reply.switched.append(iid)
+        for iid in p.cancel:
+            self.provisioner.cancel(iid)
+        for _ in range(p.start):  # a thread each: the event loop serves on meanwhile
+            reply.started.append(await asyncio.to_thread(self.provisioner.start, p.role))
+        for iid in p.drain:
+            inst = self.registry.set_draining(iid, True)
+            reply.drained.append(iid)
+            if inst is not None and self.provisioner.can_start:  # else kept as a standby
+                self.provisioner.retire_when_idle(inst)
+        if p.short:
+            how = ("deploy/prefill.sh with KVCLUSTER_WORKER_ROLE=both" if p.role == "both" else
+                   f"deploy/{p.role}.sh (KVCLUSTER_WORKER_ROLE=both makes them switchable)")
+            reply.unmet = (f"{p.short} {p.role} instance(s) short: a deployed cluster cannot "
+                           f"start processes; start workers with {how}")
         return reply
 
     async def Drain(self, request: admin_pb2.DrainRequest,
@@ -313,8 +314,8 @@ class AdminServer:
         interceptors = [TokenAuth(cfg.admin_token)] if cfg.admin_token else []
         self.server = grpc.aio.server(interceptors=interceptors,
                                       options=[("grpc.so_reuseport", 0)])
-        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(conductor, provisioner),
-                                                   self.server)
+        self.servicer = AdminServicer(conductor, provisioner)
+        admin_pb2_grpc.add_AdminServicer_to_server(self.servicer, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,

@@ -125,7 +125,8 @@ class Conductor:
         self.started = int(time.time())
         self.health: HealthChecker | None = None
         self.provisioner = Provisioner(WorkerSpec.load(config.embedded_workers)
-                                       if config.embedded_workers else None)
+                                       if config.embedded_workers else None,
+                                       max_engines=config.max_engines)
         self.admin: AdminServer | None = None
         self.pool_sync: PoolSync | None = None
         self.in_flight = 0

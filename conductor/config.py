@@ -105,6 +105,9 @@ class ConductorConfig:
     embedded_workers: str = ""
     """Embedded mode: a `cluster.workers.WorkerSpec` JSON file; ResizePool then starts worker
     processes on this machine. Empty: a deployed cluster (drain and switch only)."""
+    max_engines: int = 0
+    """Embedded mode: the most engines ResizePool lets run on this machine, every instance
+    the conductor knows counted (`cluster.capacity`); 0: two per core."""
     breaker_cooldown_s: float = 2.0
     """An instance whose circuit breaker opened (unreachable, or 3 failed calls in a row) is
     not routed to for this long, then tried again."""
@@ -225,6 +228,8 @@ class ConductorConfig:
                                                                  self.etcd_access_file))
         object.__setattr__(self, "_keys", load_api_keys(self.api_keys_file, self.api_key))
         object.__setattr__(self, "_tenant_limits", load_limits(self.tenant_limits_file))
+        if self.max_engines < 0:
+            raise ValueError(f"max_engines must be >= 0, got {self.max_engines}")
         if self.embedded_workers and not os.path.isfile(self.embedded_workers):
             raise ValueError(f"embedded_workers is not a file: {self.embedded_workers!r}")
         if not self.served_model_name:

@@ -1,7 +1,8 @@
 """conductorctl: operate a running conductor through its gRPC admin API (protos/admin.proto).
 
     conductorctl instances                                  # the instances and their load
-    conductorctl resize --role decode --target 2 --wait     # grow/shrink a pool
+    conductorctl resize --role decode --target 2 --wait     # grow/shrink a pool (prefill,
+                                                            # decode or both)
     conductorctl drain decode-0 --wait                      # stop routing to an instance
     conductorctl undrain decode-0
     conductorctl slo --ttft-ms 2000 --tbt-ms 100            # default SLOs (0/omitted: unchanged)
@@ -32,6 +33,7 @@ from pathlib import Path
 import grpc
 from google.protobuf import json_format
 
+from conductor.resize import ROLES
 from protos import admin_pb2, admin_pb2_grpc
 
 DEFAULT_ADDR = "127.0.0.1:8001"
@@ -129,7 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = add("resize",
                        help="bring the number of instances serving a role to a target")
-    s.add_argument("--role", required=True, choices=("prefill", "decode"))
+    s.add_argument("--role", required=True, choices=ROLES,
+                   help="prefill or decode: the instances serving that role (those routed as "
+                   "both too); both: the instances routed as both")
     s.add_argument("--target", required=True, type=_target, metavar="N")
     s.add_argument("--wait", action="store_true",
                    help="return once started instances are routable (bounded by --timeout)")
@@ -336,8 +340,9 @@ def _fmt_instances(reply: admin_pb2.ListInstancesReply) -> str:
 def _fmt_resize(r: admin_pb2.ResizePoolReply) -> str:
     pairs: list[tuple[str, object]] = [
         ("role", r.role), ("target", r.target), ("before", r.before), ("after", r.after),
-        ("started", _names(r.started)), ("undrained", _names(r.undrained)),
-        ("switched", _names(r.switched)), ("drained", _names(r.drained)),
+        ("started", _names(r.started)), ("starting", _names(r.starting)),
+        ("undrained", _names(r.undrained)), ("switched", _names(r.switched)),
+        ("drained", _names(r.drained)), ("cancelled", _names(r.cancelled)),
     ]
     if r.unmet:
         pairs.append(("unmet", r.unmet))

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import grpc
 import httpx
+import psutil
 import structlog
 
-from cluster import plane_tls, shape
+from cluster import loopback, plane_tls, shape
 from cluster.engine_spec import EngineSpec
 from cluster.etcd_server import EtcdServer
 from cluster.instance import cpu_list, format_cpu_list
@@ -85,6 +86,11 @@ class ClusterSpec(EngineSpec):
     worker_tls: bool = False
     """The worker plane over mutual TLS (`cluster.plane_tls`; files made in
     `<run_dir>/worker-tls`). Off: plaintext, on loopback."""
+    allow_wildcard_binds: bool = False
+    """Start even where Mooncake's servers cannot be kept on loopback (`cluster.loopback`:
+    no C compiler for its bind shim), their listeners then on every address. Off: such a
+    start is refused (`LoopbackUnavailable`) before any process starts, and so is one that
+    finds a listener of its processes beyond loopback once they are up."""
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 0 or self.both < 0:
@@ -200,20 +206,50 @@ class EmbeddedCluster:
                           env=s.worker_env, **s.engine_kwargs(),
                           secret_file=str(self.secret_file), machine_cpus=self._machine_cpus,
                           serving_cpus=self.spec.shape.serving_cpus if self.spec.shape else "",
-                          tls_dir=str(self.tls_dir or ""), step_target_ms=s.step_target_ms)
+                          tls_dir=str(self.tls_dir or ""), step_target_ms=s.step_target_ms,
+                          allow_wildcard_binds=s.allow_wildcard_binds)
 
     # -------------------------------------------------------------- start / stop
 
     def start(self, wait: bool = True, timeout: float = 240.0) -> EmbeddedCluster:
+        """Start every process (`wait`: until it serves). `LoopbackUnavailable` where a
+        server would listen beyond loopback and the spec does not allow that: before anything
+        starts when the bind shim cannot be built, else once the cluster is ready (`wait`)
+        if one of its processes listens there all the same; everything is stopped then."""
+        loopback.library(self.spec.allow_wildcard_binds)
         try:
             with children_on(self._serving_cpus()):
                 self._start_children()
             if wait:
                 self.wait_ready(timeout)
+                self._check_loopback()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def wide_listeners(self) -> list[tuple[str, int, int]]:
+        """(address, port, pid) of what the cluster's processes (and theirs) listen on
+        beyond loopback."""
+        servers = (self.etcd, self.master, self.store_client)
+        roots = [s.pid for s in servers if s is not None and s.pid is not None]
+        roots += [p.pid for p in (*(w.process for w in self.workers.values()), self.conductor)
+                  if p is not None and p.proc is not None]
+        pids = set(roots)
+        for pid in roots:
+            with contextlib.suppress(psutil.Error):
+                pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+        return loopback.wide_listeners(pids)
+
+    def _check_loopback(self) -> None:
+        wide = self.wide_listeners()
+        if not wide:
+            return
+        if not self.spec.allow_wildcard_binds:
+            raise loopback.LoopbackUnavailable(
+                f"processes of the cluster listen beyond loopback: {wide} (address, port, "
+                f"pid); start with {loopback.OPT_OUT} to accept that")
+        log.warning("listening_beyond_loopback", listeners=wide)
 
     def _serving_cpus(self) -> frozenset[int] | None:
         """Where the serving processes run (`Shape.serving_cpus`), None: anywhere."""
@@ -230,12 +266,14 @@ class EmbeddedCluster:
                                log_path=self.run_dir / "etcd.log").start()
         self.master = StoreMaster(rpc_port=s.store_rpc_port or None,
                                   http_port=s.store_metadata_port or None,
-                                  log_path=self.run_dir / "mooncake_master.log").start()
+                                  log_path=self.run_dir / "mooncake_master.log",
+                                  allow_wildcard_binds=s.allow_wildcard_binds).start()
         if s.pool_shm:  # the pool's memory: every worker's share, in one process
             n = s.engines()
             self.store_client = StoreClientService(
                 self.master, segment=f"{max(n, 1) * s.pool_segment_bytes >> 20}MB",
-                log_path=self.run_dir / "mooncake_client.log").start()
+                log_path=self.run_dir / "mooncake_client.log",
+                allow_wildcard_binds=s.allow_wildcard_binds).start()
         assert s.shape is not None
         log.info("cluster_shape", shape=s.shape.describe())
         for engine in s.shape.engines:
@@ -404,6 +442,11 @@ def parser() -> argparse.ArgumentParser:
                    default=os.environ.get("KVCLUSTER_WORKER_TLS", "") == "1",
                    help="the conductor's calls to the workers over mutual TLS (certificates "
                    "made in <run-dir>/worker-tls)")
+    p.add_argument(loopback.OPT_OUT, action="store_true",
+                   default=os.environ.get("KVCLUSTER_ALLOW_WILDCARD_BINDS", "") == "1",
+                   help="start even where Mooncake's servers cannot be kept on 127.0.0.1 (no "
+                   "C compiler for the bind shim, cluster/loopback.py): they then listen on "
+                   "every address. Without it such a start is refused")
     return p
 
 
@@ -426,7 +469,8 @@ def spec_from_args(argv: list[str] | None = None) -> ClusterSpec:
                        dtype=a.dtype, admin_port=a.admin_port, pool_shm=a.pool == "shm",
                        policy=a.policy,
                        conductor_args=("--disaggregate", a.disaggregate),
-                       enforce_eager=a.eager, worker_tls=a.worker_tls)
+                       enforce_eager=a.eager, worker_tls=a.worker_tls,
+                       allow_wildcard_binds=a.allow_wildcard_binds)
 
 
 def _gpus() -> int:
@@ -450,13 +494,20 @@ def main(argv: list[str] | None = None) -> int:
     stop_on_signals()
     try:
         print(f"starting the embedded cluster (logs in {cluster.run_dir}/) ...", flush=True)
-        cluster.start()
+        try:
+            cluster.start()
+        except loopback.LoopbackUnavailable as e:
+            print(f"kvcluster: {e}", file=sys.stderr, flush=True)
+            return 1
         name = os.path.basename(model.rstrip("/"))
+        wide = cluster.wide_listeners()
         print(f"\nkvcluster is serving {name} at {cluster.url}\n"
               f"  shape: {cluster.describe_shape()}\n\n"
               f"  curl {cluster.url}/v1/completions -H 'Content-Type: application/json' \\\n"
               f"    -d '{{\"model\": \"{name}\", \"prompt\": \"The quick brown fox\", "
               f"\"max_tokens\": 16, \"temperature\": 0}}'\n\n"
+              + (f"  listening beyond loopback ({loopback.OPT_OUT}): "
+                 f"{sorted({f'{a}:{p}' for a, p, _ in wide})}\n\n" if wide else "")
               + (f"  conductorctl --addr {cluster.admin_addr} instances   "
                  f"(token: {cluster.token_file})\n\n" if spec.admin_port >= 0 else "")
               + "Ctrl-C stops every process.", flush=True)

@@ -76,8 +76,12 @@ class StoreMaster(ManagedServer):
         log_path: Path | str | None = None,
         binary: str | None = None,
         ready_timeout: float = 30.0,
+        allow_wildcard_binds: bool = False,
     ) -> None:
         self.host = host
+        self.allow_wildcard_binds = allow_wildcard_binds
+        """On a loopback `host`: start even where its metadata server cannot be kept there
+        (`cluster.loopback`); else that is `LoopbackUnavailable`."""
         self._fixed_ports = (
             rpc_port is not None or http_port is not None or metrics_port is not None
         )
@@ -151,7 +155,9 @@ class StoreMaster(ManagedServer):
 
     def _start_once(self) -> None:
         returncode = self._launch(f"mooncake_master:{self.rpc_port}", self.argv(),
-                                  self.ready_timeout, env=loopback.env(self.host))
+                                  self.ready_timeout,
+                                  env=loopback.env(self.host,
+                                                   allow_wildcard=self.allow_wildcard_binds))
         if returncode is not None:
             raise RuntimeError(f"mooncake_master exited with {returncode} before ready; "
                                f"log {self.log_path}:\n{self.tail()}")
@@ -202,6 +208,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--kv-lease-ttl-ms", type=int, default=None)
     p.add_argument("--client-ttl-s", type=int, default=None)
     p.add_argument("--log", default="run/store_master.log")
+    p.add_argument(loopback.OPT_OUT, action="store_true",
+                   default=os.environ.get("KVCLUSTER_ALLOW_WILDCARD_BINDS", "") == "1",
+                   help="on a loopback --host, start even without the bind shim "
+                   "(cluster/loopback.py): the metadata server then listens on every address")
     args, extra = p.parse_known_args(argv)
     master = StoreMaster(
         host=args.host,
@@ -214,11 +224,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         client_ttl_s=args.client_ttl_s,
         extra_args=extra,
         log_path=args.log,
+        allow_wildcard_binds=args.allow_wildcard_binds,
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    master.start()
+    try:
+        master.start()
+    except loopback.LoopbackUnavailable as e:
+        print(f"store.master: {e}", file=sys.stderr, flush=True)
+        return 1
     print(
         f"KVCLUSTER_POOL_MASTER_ADDR={master.master_addr}\n"
         f"KVCLUSTER_POOL_METADATA_URL={master.metadata_url}\n"
@@ -249,8 +264,10 @@ class StoreClientService(ManagedServer):
 
     def __init__(self, master: StoreMaster, *, segment: str = "2GB", host: str = "127.0.0.1",
                  port: int | None = None, threads: int = 1, log_path: Path | str | None = None,
-                 extra_args: Sequence[str] = ()) -> None:
+                 extra_args: Sequence[str] = (), allow_wildcard_binds: bool = False) -> None:
         self.master = master
+        self.allow_wildcard_binds = allow_wildcard_binds
+        """As `StoreMaster.allow_wildcard_binds`, for its transfer engine."""
         self.segment = segment
         self.host = host
         self.port, self.te_port = free_ports(2, host)
@@ -286,7 +303,8 @@ class StoreClientService(ManagedServer):
 
     def start(self, timeout: float = 30.0) -> StoreClientService:
         returncode = self._launch(f"mooncake_client:{self.port}", self.argv(), timeout,
-                                  env=loopback.env(self.host))
+                                  env=loopback.env(self.host,
+                                                   allow_wildcard=self.allow_wildcard_binds))
         if returncode is not None:
             raise RuntimeError(f"mooncake_client exited with {returncode} at start; "
                                f"log {self.log_path}:\n{self.tail()}")

@@ -7,6 +7,7 @@ prewarm's effect on TTFT) is in tests/test_admin_e2e.py.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -16,7 +17,9 @@ import pytest
 from conftest import wait_until
 from fake_worker import Knobs, LocalConductor
 
+from cluster.capacity import RESERVE_BYTES, Machine, engine_bytes
 from cluster.ports import free_port
+from cluster.workers import WorkerSpec
 from protos import admin_pb2, admin_pb2_grpc
 
 TOKEN = "s3cret-token"
@@ -206,3 +209,140 @@ def test_admin_api_on_a_public_address_needs_a_token(model_dir, capsys):
         parse_args(["--model", model_dir, "--etcd", "127.0.0.1:1", "--admin-port", "1234",
                     "--admin-host", "0.0.0.0"])
     assert "needs an admin token" in capsys.readouterr().err
+
+
+def test_deployed_resize_of_both_switches_undrains_and_drains(model_dir):
+    c, addr = conductor(model_dir, ("both", "both", "prefill", "decode"))
+    with c:
+        admin = Admin(addr)
+        r = admin.ResizePool(admin_pb2.ResizePoolRequest(role="both", target=1))
+        assert (r.before, r.after) == (2, 1) and len(r.drained) == 1 and not r.switched
+        drained = r.drained[0]
+        kept = ({"both-0", "both-1"} - {drained}).pop()
+        assert admin.states()[drained] == ("both", "draining")
+        # an instance registered as both and routed as decode joins the pool when it grows
+        admin.ResizePool(admin_pb2.ResizePoolRequest(role="prefill", target=1))
+        assert admin.states()[kept] == ("decode", "serving")
+        r = admin.ResizePool(admin_pb2.ResizePoolRequest(role="both", target=3))
+        assert list(r.undrained) == [drained] and list(r.switched) == [kept]
+        assert (r.before, r.after) == (0, 2)
+        assert "1 both instance(s) short" in r.unmet and "KVCLUSTER_WORKER_ROLE=both" in r.unmet
+        assert complete(c.url).status_code == 200
+
+
+class FakeProcess:
+    """What the provisioner keeps of a worker it started: this one never joins."""
+
+    def __init__(self) -> None:
+        self.stopped = threading.Event()
+        self.pid = 0
+
+    def alive(self) -> bool:
+        return not self.stopped.is_set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.stopped.set()
+
+
+class StartRecorder(WorkerSpec):
+    """Embedded mode without processes: `start` records the worker and hands back a fake."""
+
+    def start(self, role: str, instance_id: str, port: int = 0, placement=None):
+        STARTS.append((role, instance_id))
+        assert GATE.wait(10), "the gate stayed shut"
+        proc = FakeProcess()
+        PROCESSES[instance_id] = proc
+        return proc, 1
+
+
+STARTS: list[tuple[str, str]] = []
+PROCESSES: dict[str, FakeProcess] = {}
+GATE = threading.Event()
+"""Shut: a start waits (in its thread) until it opens."""
+
+
+@pytest.fixture
+def embedded(model_dir):
+    """A conductor over fake `both` workers whose provisioner starts fake processes on a
+    machine of 2 cores and 64 GiB free (tests may change `provisioner.machine`)."""
+    STARTS.clear()
+    PROCESSES.clear()
+    GATE.set()
+    c, addr = conductor(model_dir, ("both", "both"))
+    with c:
+        provisioner = c.app.state.conductor.provisioner
+        provisioner.spec = StartRecorder(model=model_dir, etcd="", pool_master="",
+                                         pool_metadata="", run_dir="")
+        provisioner.machine = lambda: Machine(cores=2, available_bytes=64 << 30)
+        yield c, Admin(addr), provisioner
+
+
+class Aborted(Exception):
+    pass
+
+
+class Context:
+    """A servicer context that raises what it is told to abort with."""
+
+    async def abort(self, code, details):
+        raise Aborted(code, details)
+
+
+def test_the_same_resize_twice_at_once_or_retried_starts_one_worker(embedded):
+    c, admin, provisioner = embedded
+    servicer = c.app.state.conductor.admin.servicer
+    request = admin_pb2.ResizePoolRequest(role="both", target=3)
+
+    async def open_gate():  # runs once both calls went as far as they can: the first is
+        GATE.set()          # in its start, the second waits for it (or starts one too)
+
+    async def twice():
+        GATE.clear()
+        return await asyncio.gather(servicer.ResizePool(request, Context()),
+                                    servicer.ResizePool(request, Context()), open_gate())
+
+    first, second, _ = asyncio.run_coroutine_threadsafe(twice(), c._loop).result(10)
+    assert STARTS == [("both", "both-s0")]
+    assert list(first.started) == ["both-s0"] and not second.started
+    assert list(second.starting) == ["both-s0"]
+    # a client's retry over the wire: counted as there, nothing more started
+    r = admin.ResizePool(request)
+    assert not r.started and list(r.starting) == ["both-s0"] and (r.before, r.after) == (2, 2)
+    assert STARTS == [("both", "both-s0")]
+    # one that died before it joined is not counted: the next call replaces it
+    PROCESSES["both-s0"].stop()
+    r = admin.ResizePool(request)
+    assert list(r.started) == ["both-s1"] and not r.starting
+    # shrinking stops the one still starting rather than a serving instance
+    r = admin.ResizePool(admin_pb2.ResizePoolRequest(role="both", target=2))
+    assert list(r.cancelled) == ["both-s1"] and not r.drained
+    wait_until(lambda: PROCESSES["both-s1"].stopped.is_set(), what="cancelled worker stopped")
+    assert admin.states() == {"both-0": ("both", "serving"), "both-1": ("both", "serving")}
+
+
+def test_a_target_the_machine_cannot_hold_is_refused_before_anything_changes(embedded):
+    c, admin, provisioner = embedded
+    admin.Drain(admin_pb2.DrainRequest(instance_id="both-1"))
+    before = admin.states()
+    # the engines per core: 2 registered, 4 on 2 cores
+    with pytest.raises(grpc.RpcError) as e:
+        admin.ResizePool(admin_pb2.ResizePoolRequest(role="both", target=5))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "at most 4 engines (2 per core on 2 cores" in e.value.details()
+    # memory: room for one engine loading, not two
+    one = engine_bytes(provisioner.spec)
+    provisioner.machine = lambda: Machine(cores=8, available_bytes=RESERVE_BYTES + one + 1)
+    with pytest.raises(grpc.RpcError) as e:
+        admin.ResizePool(admin_pb2.ResizePoolRequest(role="both", target=4))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "not enough memory" in e.value.details()
+    assert STARTS == [] and admin.states() == before  # both-1 not undrained either
+    # the operator's cap
+    provisioner.max_engines = 2
+    with pytest.raises(grpc.RpcError) as e:
+        admin.ResizePool(admin_pb2.ResizePoolRequest(role="both", target=3))
+    assert "at most 2 engines (--max-engines)" in e.value.details()
+    # what fits goes through
+    provisioner.max_engines = 0
+    r = admin.ResizePool(admin_pb2.ResizePoolRequest(role="both", target=3))
+    assert list(r.undrained) == ["both-1"] and list(r.started) == ["both-s0"]

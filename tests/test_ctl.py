@@ -47,8 +47,12 @@ class FakeAdmin(admin_pb2_grpc.AdminServicer):
 
     def ResizePool(self, request, context):
         self._check("ResizePool", request, context)
+        if request.target > 4:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          "cannot start 8 both worker(s): this machine holds at most 4 engines")
         return admin_pb2.ResizePoolReply(role=request.role, target=request.target, before=1,
-                                         after=request.target, started=["decode-1"])
+                                         after=request.target, started=["decode-1"],
+                                         starting=["both-s0"] if request.role == "both" else [])
 
     def Drain(self, request, context):
         self._check("Drain", request, context)
@@ -141,6 +145,16 @@ def test_resize_sends_role_target_wait(admin, capsys):
     assert ctl.main(["resize", "--role", "prefill", "--target", "0"]) == 0
     _, req = admin.calls[-1]
     assert (req.role, req.target, req.wait) == ("prefill", 0, False)
+    assert ctl.main(["resize", "--role", "both", "--target", "2"]) == 0  # make run's pool
+    _, req = admin.calls[-1]
+    assert (req.role, req.target) == ("both", 2)
+    assert "starting:  both-s0" in capsys.readouterr().out
+
+
+def test_a_refused_resize_says_why(admin, capsys):
+    assert ctl.main(["resize", "--role", "both", "--target", "9"]) == 1
+    err = capsys.readouterr().err
+    assert "conductorctl: FAILED_PRECONDITION: cannot start" in err and "at most 4" in err
 
 
 def test_drain_undrain(admin, capsys):
@@ -246,7 +260,7 @@ def test_unreachable_address(capsys, monkeypatch):
 
 @pytest.mark.parametrize("argv", [
     [],
-    ["resize", "--role", "both", "--target", "1"],
+    ["resize", "--role", "router", "--target", "1"],
     ["resize", "--role", "decode", "--target", "-1"],
     ["prewarm"],
     ["prewarm", "--text", "a", "--file", "b"],

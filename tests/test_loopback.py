@@ -1,16 +1,22 @@
 """Nothing of the embedded cluster listens beyond loopback (`cluster.loopback`): Mooncake's
-servers, which bind every address whatever they are told, included."""
+servers, which bind every address whatever they are told, included. Where the bind shim cannot
+be built (simulated: `$CC` a missing binary, an empty cache) the cluster refuses to start,
+unless the operator allows wildcard binds."""
 
 from __future__ import annotations
 
 import ipaddress
+import os
 import subprocess
 import sys
 
 import psutil
+import pytest
 
 from cluster import loopback
 from cluster.ports import wait_for_port
+from cluster.shape import Shape
+from embedded import ClusterSpec, EmbeddedCluster
 from store.master import StoreClientService, StoreMaster
 
 
@@ -100,3 +106,80 @@ def test_nothing_of_the_embedded_cluster_listens_beyond_loopback(cluster):
     found = listeners(_children())
     assert len({pid for _, _, pid in found}) >= 5, found  # etcd, master, 2 engines, conductor
     assert not _wide(found), found
+
+
+@pytest.fixture
+def no_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    """A machine where the shim cannot be built: an empty shim cache, `$CC` a missing binary
+    (in this process and the children it starts, which build nothing)."""
+    monkeypatch.setattr(loopback, "cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    loopback.shim.cache_clear()
+    yield
+    loopback.shim.cache_clear()  # the real one again for the tests after
+
+
+def test_without_a_compiler_a_loopback_host_is_refused_unless_wildcards_are_allowed(
+        no_compiler, monkeypatch):
+    with pytest.raises(loopback.LoopbackUnavailable) as e:
+        loopback.env("127.0.0.1", {})
+    why = str(e.value)
+    assert "no-such-cc" in why and "--allow-wildcard-binds" in why and "every address" in why
+    allowed = loopback.env("127.0.0.1", {}, allow_wildcard=True)
+    assert "LD_PRELOAD" not in allowed and allowed["MC_TCP_BIND_ADDRESS"] == "127.0.0.1"
+    assert loopback.env("198.18.77.10", {}) == {}  # not meant for loopback: nothing to keep
+    # no compiler at all (no $CC, none on PATH): refused the same way
+    monkeypatch.delenv("CC")
+    monkeypatch.setattr(loopback.shutil, "which", lambda name: None)
+    loopback.shim.cache_clear()
+    with pytest.raises(loopback.LoopbackUnavailable, match="no C compiler"):
+        loopback.env("127.0.0.1", {})
+
+
+def _no_engines(model_dir: str, run_dir, allow: bool) -> ClusterSpec:
+    return ClusterSpec(model=model_dir, shape=Shape((), "no engines"), http_port=0,
+                       admin_port=-1, run_dir=str(run_dir), allow_wildcard_binds=allow)
+
+
+def test_without_the_shim_the_embedded_cluster_starts_nothing(no_compiler, model_dir,
+                                                              tmp_path):
+    cluster = EmbeddedCluster(_no_engines(model_dir, tmp_path / "run", allow=False))
+    with pytest.raises(loopback.LoopbackUnavailable):
+        cluster.start()
+    assert _children() == set() and not (tmp_path / "run" / "etcd.log").exists()
+
+
+def test_with_wildcards_allowed_it_starts_and_its_check_sees_them(no_compiler, model_dir,
+                                                                  tmp_path):
+    """The operator's opt-out does what it says: the master listens on every address, and
+    the cluster's own check (what fails a start that is not allowed that) finds it."""
+    with EmbeddedCluster(_no_engines(model_dir, tmp_path / "run", allow=True)) as cluster:
+        wide = cluster.wide_listeners()
+        assert cluster.master is not None
+        assert cluster.master.http_port in {port for _, port, _ in wide}, wide
+        assert sorted(wide) == sorted(_wide(listeners(_children())))
+
+
+def test_the_launcher_says_why_it_refuses_and_how_to_opt_out(model_dir, tmp_path):
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"),
+           "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-m", "embedded", "--model", model_dir,
+                          "--run-dir", str(tmp_path / "run"), "--port", "0",
+                          "--admin-port", "-1"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1, out
+    assert "--allow-wildcard-binds" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert not (tmp_path / "run" / "etcd.log").exists()
+
+
+def test_a_listener_beyond_loopback_found_after_start_fails_it(model_dir, tmp_path,
+                                                                monkeypatch):
+    """The shim is built but does not take (the master started as if on another host): the
+    cluster's check after start finds the wide listener, and the start fails and stops all."""
+    real = loopback.env
+    monkeypatch.setattr(loopback, "env",
+                        lambda host, base=None, allow_wildcard=False: real("10.1.2.3", base))
+    cluster = EmbeddedCluster(_no_engines(model_dir, tmp_path / "run", allow=False))
+    with pytest.raises(loopback.LoopbackUnavailable, match="listen beyond loopback"):
+        cluster.start()
+    assert _children() == set()

@@ -190,7 +190,7 @@ def _launcher_flags(root: Path) -> list[tuple[str, str, str, str]]:
                 and call.func.attr == "add_argument"):
             continue
         kw = {k.arg: k.value for k in call.keywords}
-        flag = call.args[0].value  # type: ignore[attr-defined]
+        flag = str(_constant(root, path, tree, call.args[0]))
         env, default = "", ""
         for node in ast.walk(kw["default"]) if "default" in kw else ():
             if isinstance(node, ast.Call) and ast.unparse(node.func) == "os.environ.get":
