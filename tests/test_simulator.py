@@ -18,6 +18,7 @@ from conductor.scheduler.snapshot import (
     Route,
     RouteRequest,
 )
+from simulator.__main__ import cli
 from simulator.capacity import Arm, find_capacity, upper_bound
 from simulator.cluster import ClusterSpec
 from simulator.engine import Simulation
@@ -66,6 +67,16 @@ def test_one_request_timeline():
     assert r.tbt_s == pytest.approx(0.01)
     assert r.finish_s == pytest.approx(1.054)
     assert (r.prefill_id, r.decode_id, r.cached_tokens) == ("p0", "d0", 0)
+    assert r.stages == pytest.approx((0.0, 1.024, 0.0, 0.0, 0.01))
+
+
+def test_stages_add_up_to_the_ttft():
+    prof = replace(PROFILE, transfer_s_per_block=0.1, transfer_s_fixed=0.05,
+                   kv_capacity_tokens=1100)
+    a, b = simulate([req(0.0, 1024, 200, 1, 2), req(0.0, 1024, 1, 3, 4)], profile=prof)
+    # b queues behind a's prefill, moves 2 blocks, then waits for a to leave the KV cache
+    assert b.stages == pytest.approx((1.024, 1.024, 0.25, a.finish_s - 2.298, 0.01))
+    assert sum(b.stages) == pytest.approx(b.ttft_s)
 
 
 def test_prefills_queue_fifo_and_join_the_running_batch_at_a_step_boundary():
@@ -350,3 +361,16 @@ def test_a_profile_from_fitted_models_plans():
     p = plan(trace, prof, 3, 5.0, 0.1, precision=0.05, max_runs=6)
     assert p.best_rps > 0 and {c.split.label for c in p.candidates} == {"1P+2D", "2P+1D", "3C"}
     assert load_profile("h100_llama31_8b").kv_capacity_tokens == 426_788
+
+
+def test_the_plan_command_prints_every_candidate_and_a_summary(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(
+        f'{{"timestamp": {i * 400}, "input_length": 2048, "output_length": 4, '
+        f'"hash_ids": [{i % 3}, {100 + i}, {200 + i}, {300 + i}]}}\n' for i in range(30)))
+    line = cli(["plan", "--trace", str(trace), "--instances", "3", "--ttft-slo", "10",
+                "--tbt-slo", "0.1", "--precision", "0.1", "--out", str(tmp_path / "p.json")])
+    table = capsys.readouterr().out
+    assert all(label in table for label in ("1P+2D", "2P+1D", "3C"))
+    assert line.startswith("plan trace=t instances=3 best=") and "cpu_s=" in line
+    assert (tmp_path / "p.json").exists()
