@@ -18,8 +18,9 @@ from conductor.scheduler.snapshot import (
     Route,
     RouteRequest,
 )
+from simulator import comparison
 from simulator.__main__ import cli
-from simulator.capacity import Arm, find_capacity, upper_bound
+from simulator.capacity import Arm, Capacity, find_capacity, upper_bound
 from simulator.cluster import ClusterSpec
 from simulator.engine import Simulation
 from simulator.peers import PEERS, DynamoRouter, EngineMetrics, LlmdRouter, SmgRouter, VllmRouter
@@ -374,3 +375,15 @@ def test_the_plan_command_prints_every_candidate_and_a_summary(tmp_path, capsys)
     assert all(label in table for label in ("1P+2D", "2P+1D", "3C"))
     assert line.startswith("plan trace=t instances=3 best=") and "cpu_s=" in line
     assert (tmp_path / "p.json").exists()
+
+
+def test_ratios_take_the_best_peer_arm_and_the_best_colocated_arm():
+    def cap(arm, scale):
+        return Capacity(arm, scale, scale * 2, scale * 1.02, 0.9, (), 10.0)
+
+    caps = {("p", a): cap(a, s) for a, s in (("kv_centric", 3.0), ("smg", 1.0),
+                                              ("dynamo+pool", 1.5), ("cache_aware", 2.9),
+                                              ("colocated", 2.0), ("colocated+pool", 2.4))}
+    r = comparison.ratios(caps, "p")
+    assert (r.best_peer, r.best_colocated) == ("dynamo+pool", "colocated+pool")
+    assert r.vs_best_peer == pytest.approx(2.0) and r.vs_colocated == pytest.approx(1.25)
