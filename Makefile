@@ -124,8 +124,8 @@ chaos: install
 # The cluster simulator: every policy and peer router over a trace, the load/pool/reuse
 # sweeps, every arm's capacity under SLO per profile, every router's best split and the
 # planner checked against an exhaustive sweep, into results/sim/ (last line: summary, with
-# capacity_vs_best_peer, capacity_vs_colocated, plan_ok). Runs no engine; ~10 CPU-minutes on
-# two worker processes. SIM_ARGS: e.g. --profiles paper_llama2_70b --no-plans --no-sweeps.
+# capacity_vs_best_peer, capacity_vs_colocated, plan_ok). Runs no engine; ~12 CPU-minutes,
+# the comparison on two worker processes. SIM_ARGS: e.g. --profiles paper_llama2_70b --no-plans.
 TRACE   ?= ../shared/traces/mooncake_synthetic_trace.jsonl
 SIM_ARGS ?=
 .PHONY: bench-sim

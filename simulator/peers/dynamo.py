@@ -12,11 +12,14 @@ Source (ai-dynamo/dynamo, Apache-2.0):
 
   lowest logit wins at temperature 0 (ties drawn uniformly); above 0, softmax over the
   min-max-normalised logits divided by the temperature.
-- `lib/kv-router/src/scheduling/config.rs`, `KvRouterConfig::default()` (the version with
-  `overlap_score_credit`; an older stored one, c2f2e1aa80696a009f8bdbf31629f829eb32f313, has
-  the former `overlap_score_weight` 1.0): overlap_score_credit 1.0, prefill_load_scale 1.0,
-  router_temperature 0.0, decode_active_request_weight 0.0, shared_cache_multiplier 0.0,
-  router_track_output_blocks false, conditional_disagg_enabled false.
+- `lib/kv-router/src/scheduling/config.rs`, `KvRouterConfig::default()`, in the version that
+  defines `overlap_score_credit_decay` (which the selector above reads): overlap_score_credit
+  1.0, overlap_score_credit_decay 0.0, prefill_load_scale 1.0, router_temperature 0.0,
+  shared_cache_multiplier 0.0, router_track_output_blocks false, router_queue_threshold None,
+  conditional_disagg_enabled false; decode_active_request_weight 0.0. (Earlier versions:
+  0243c51bb6e8958be89df4978b5761677c9adc23 defaulted router_queue_threshold to 16, a queue in
+  the router, not modelled here; c2f2e1aa80696a009f8bdbf31629f829eb32f313 had
+  `overlap_score_weight` 1.0, the same cost.)
 - Disaggregated serving: a prefill router picks the prefill worker with the cost above; the
   decode router forces `overlap_score_credit = 0` per request, so it picks the decode worker
   with the fewest active blocks (the comment in `worker_logit`: "Decode routers normally force
