@@ -127,12 +127,16 @@ CHAOS_ARGS ?=
 chaos: install
 	$(PY) -m benchmarks.chaos $(CHAOS_ARGS)
 
-# The cluster simulator: every policy over a trace, plus load/capacity/reuse sweeps into
-# results/sim/ (last line: summary). Runs no engine.
+# The cluster simulator: every policy and peer router over a trace, the load/pool/reuse
+# sweeps, every arm's capacity under SLO per profile, every router's best split and the
+# planner checked against an exhaustive sweep, into results/sim/ (last line: summary, with
+# capacity_vs_best_peer, capacity_vs_colocated, plan_ok). Runs no engine; ~12 CPU-minutes,
+# the comparison on two worker processes. SIM_ARGS: e.g. --profiles paper_llama2_70b --no-plans.
 TRACE   ?= ../shared/traces/mooncake_synthetic_trace.jsonl
+SIM_ARGS ?=
 .PHONY: bench-sim
 bench-sim: install
-	$(PY) -m simulator --trace $(TRACE) --out results/sim
+	$(PY) -m simulator --trace $(TRACE) --out results/sim $(SIM_ARGS)
 
 clean:
 	rm -rf $(VENV) run .pytest_cache protos/*_pb2*.py protos/*_pb2.pyi

@@ -1,20 +1,37 @@
-"""`python -m simulator --trace T`: every policy over the trace on the default cluster, then
-the load, capacity and prefix-reuse sweeps; results into --out
-(results/sim/, which git ignores), a summary as last line."""
+"""`python -m simulator --trace T`: every policy (and peer router) over the trace on the
+default cluster; the load, pool-capacity and prefix-reuse sweeps; every arm's capacity under
+SLO per profile, every router's best split and kv_centric's plan checked against an
+exhaustive sweep (`simulator.comparison`). Results into results/sim/, a summary as last line.
+
+`python -m simulator plan --trace T --instances N --ttft-slo S --tbt-slo S`: the planner
+(`simulator.planner`): the best prefill/decode split (or colocated) and every candidate's
+capacity."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
 from tqdm import tqdm
 
 from conductor.scheduler import POLICIES
+from simulator import comparison, planner
+from simulator.capacity import Arm
 from simulator.cluster import ClusterSpec
+from simulator.comparison import DEFAULT_ARMS, Options
+from simulator.planner import Plan
 from simulator.profile import load_profile
-from simulator.report import metrics_rows, plot_lines, plot_ttft_cdf, summarize, write_rows
+from simulator.report import (
+    metrics_rows,
+    plot_capacity,
+    plot_lines,
+    plot_ttft_cdf,
+    summarize,
+    write_rows,
+)
 from simulator.sweeps import capacity_sweep, load_runs, reuse_traces, run_policy
 from simulator.trace import ideal_hit_ratio, load_trace, time_scaled
 
@@ -37,7 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="arrival-rate factor for the main run (2: twice the trace's rate)")
     ap.add_argument("--ttft-slo", type=float, default=30.0)
     ap.add_argument("--tbt-slo", type=float, default=0.1)
-    ap.add_argument("--policies", default="kv_centric,cache_aware,least_loaded,round_robin,random")
+    ap.add_argument("--policies", default="kv_centric,cache_aware,least_loaded,round_robin,"
+                    "random,dynamo,llm_d,vllm_router,smg")
     ap.add_argument("--load-scales", type=_floats, default=[0.5, 0.75, 1.0, 1.25, 1.5, 2.0])
     ap.add_argument("--load-policies", default="kv_centric,cache_aware,least_loaded,random")
     ap.add_argument("--reuse", type=_floats, default=[1.0, 0.75, 0.5, 0.25, 0.0])
@@ -45,6 +63,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--limit", type=int, default=None, help="first N requests only")
     ap.add_argument("--out", default="results/sim")
     ap.add_argument("--no-sweeps", action="store_true")
+    ap.add_argument("--profiles", default="paper_llama2_70b,h100_llama31_8b",
+                    help="profiles of the capacity comparison (the first one heads the summary)")
+    ap.add_argument("--arms", default=",".join(DEFAULT_ARMS),
+                    help="policy[+pool|-pool][@colocated], comma-separated")
+    ap.add_argument("--target", type=float, default=0.9, help="SLO attainment for capacity")
+    ap.add_argument("--precision", type=float, default=0.02,
+                    help="relative width of the capacity bracket a search stops at")
+    ap.add_argument("--jobs", type=int, default=0, help="worker processes (0: up to 2)")
+    ap.add_argument("--no-capacity", action="store_true", help="skip the capacity comparison")
+    ap.add_argument("--no-plans", action="store_true",
+                    help="skip the routers' plans and the exhaustive check")
     return ap.parse_args(argv)
 
 
@@ -121,6 +150,7 @@ def main(argv: list[str] | None = None) -> str:
     summary = {"trace": name, "profile": asdict(prof), "cluster": asdict(spec), "scale": a.scale,
                "ideal_hit_ratio": ideal_hit_ratio(base, prof.block_size),
                "policies": [asdict(m) for m in metrics]}
+    fields = "" if a.no_capacity else _comparison(a, base, spec, out, summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
 
     def f(policy: str, field: str) -> str:
@@ -134,9 +164,102 @@ def main(argv: list[str] | None = None) -> str:
             f"least_loaded_ttft_mean_s={f('least_loaded', 'ttft_mean_s')} "
             f"random_ttft_mean_s={f('random', 'ttft_mean_s')} "
             f"kv_centric_goodput={f('kv_centric', 'goodput_rps')} "
-            f"least_loaded_goodput={f('least_loaded', 'goodput_rps')}")
+            f"least_loaded_goodput={f('least_loaded', 'goodput_rps')}{fields}")
+
+
+def _comparison(a: argparse.Namespace, trace: list, spec: ClusterSpec, out: Path,
+                summary: dict) -> str:
+    """Run the capacity comparison, write its files, add it to `summary`; the summary line's
+    fields for it."""
+    profiles = [p for p in a.profiles.split(",") if p]
+    arms = [x for x in a.arms.split(",") if x]
+    opt = Options(a.target, a.precision, jobs=a.jobs)
+    res = comparison.run(trace, profiles, spec, arms,
+                         plan_profiles=() if a.no_plans else profiles,
+                         exhaustive_profile=None if a.no_plans else profiles[0], opt=opt)
+    rows = [{"profile": p, "arm": arm, "shape": comparison.shape(spec, Arm.named(arm)),
+             "capacity_rps": c.rate_rps, "scale": c.scale, "hi_scale": c.hi_scale,
+             "attainment": c.attainment, "probes": len(c.probes), "saturated": c.saturated}
+            for (p, arm), c in res.capacities.items()]
+    write_rows(rows, out / "slo_capacity")
+    plot_capacity(rows, out / "slo_capacity.png",
+                  f"{Path(a.trace).stem}: capacity at {a.target:.0%} SLO attainment")
+    plans = [{"profile": p, "router": r, **_plan_json(pl)} for (p, r), pl in res.plans.items()]
+    plans += [{"profile": p, "router": "kv_centric", "exhaustive": True, **_plan_json(pl)}
+              for p, pl in res.exhaustive.items()]
+    (out / "plans.json").write_text(json.dumps(plans, indent=1) + "\n")
+    write_rows(res.stages, out / "stages")
+    ratios = [comparison.ratios(res.capacities, p, res.plans) for p in profiles]
+    summary["capacity"] = rows
+    summary["ratios"] = [asdict(r) for r in ratios]
+    head = ratios[0]
+    ok = "nan"
+    if profiles[0] in res.exhaustive:
+        ok = str(comparison.plan_ok(res.plans[(profiles[0], "kv_centric")],
+                                    res.exhaustive[profiles[0]])).lower()
+    vs_peer = head.vs_best_peer_best_split or head.vs_best_peer
+    fields = (f" capacity_vs_best_peer={vs_peer:.3f} "
+              f"capacity_vs_colocated={head.vs_colocated:.3f} plan_ok={ok} "
+              f"kv_centric_capacity_rps={head.kv_centric_rps:.3f} best_peer={head.best_peer} "
+              f"capacity_vs_best_peer_same_shape={head.vs_best_peer:.3f}")
+    if head.best_split_kv_centric:
+        fields += (f" kv_centric_split={head.best_split_kv_centric}"
+                   f" best_peer_split={head.best_split_peer.replace(' ', ':')}")
+    for r in ratios[1:]:
+        fields += (f" {r.profile}_capacity_vs_best_peer="
+                   f"{(r.vs_best_peer_best_split or r.vs_best_peer):.3f}"
+                   f" {r.profile}_capacity_vs_colocated={r.vs_colocated:.3f}")
+    return fields
+
+
+def _plan_json(pl: Plan) -> dict:
+    return {"best": pl.best.label, "best_rps": pl.best_rps, "runs": pl.runs,
+            "cpu_s": pl.cpu_s,
+            "candidates": [{"split": c.split.label, "estimate_rps": c.estimate_rps,
+                            "capacity_rps": c.capacity_rps, "below_rps": c.below_rps,
+                            "runs": c.runs, "pruned": c.pruned, "saturated": c.saturated}
+                           for c in pl.candidates]}
+
+
+def plan_main(argv: list[str]) -> str:
+    """`python -m simulator plan`: the planner's table, and a summary as last line."""
+    ap = argparse.ArgumentParser(prog="python -m simulator plan",
+                                 description=planner.__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", default=DEFAULT_TRACE)
+    ap.add_argument("--instances", type=int, required=True)
+    ap.add_argument("--ttft-slo", type=float, required=True)
+    ap.add_argument("--tbt-slo", type=float, required=True)
+    ap.add_argument("--profile", default="paper_llama2_70b",
+                    help="a name in simulator/profiles/ or a JSON path")
+    ap.add_argument("--policy", default="kv_centric", help="a conductor policy or a peer")
+    ap.add_argument("--no-pool", action="store_true")
+    ap.add_argument("--no-colocated", action="store_true")
+    ap.add_argument("--exhaustive", action="store_true", help="bisect every candidate")
+    ap.add_argument("--target", type=float, default=0.9)
+    ap.add_argument("--precision", type=float, default=0.02)
+    ap.add_argument("--limit", type=int, default=None, help="first N requests only")
+    ap.add_argument("--out", default=None, help="also write the plan as JSON here")
+    a = ap.parse_args(argv)
+    trace = load_trace(a.trace, a.limit)
+    pl = planner.plan(trace, load_profile(a.profile), a.instances, a.ttft_slo, a.tbt_slo,
+                      policy=a.policy, pool=not a.no_pool, colocated=not a.no_colocated,
+                      target=a.target, precision=a.precision, exhaustive=a.exhaustive)
+    for c in sorted(pl.candidates, key=lambda c: -c.capacity_rps):
+        got = f"{c.capacity_rps:7.3f} req/s" if not c.pruned else "    pruned"
+        print(f"{c.split.label:>8}  {got}  below {c.below_rps:7.3f}  "
+              f"estimate {c.estimate_rps:7.3f}  runs {c.runs}")
+    if a.out:
+        Path(a.out).write_text(json.dumps(_plan_json(pl), indent=1) + "\n")
+    return (f"plan trace={Path(a.trace).stem} instances={a.instances} best={pl.best.label} "
+            f"capacity_rps={pl.best_rps:.3f} runs={pl.runs} cpu_s={pl.cpu_s:.1f}")
+
+
+def cli(argv: list[str]) -> str:
+    if argv and argv[0] == "plan":
+        return plan_main(argv[1:])
+    return main(argv)
 
 
 if __name__ == "__main__":
     assert set(POLICIES) >= {"kv_centric", "cache_aware", "least_loaded", "random"}
-    print(main(), flush=True)
+    print(cli(sys.argv[1:]), flush=True)

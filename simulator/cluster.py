@@ -61,8 +61,15 @@ class Job:
     pool_tokens: int = 0
     """Of the cached tokens, those pulled from the pool (not in the prefill engine's cache)."""
     generated: int = 0
+    prefill_at: float = -1.0
+    prefilled_at: float = -1.0
+    joined_at: float = -1.0
+    """When its KV was all on its decode instance."""
+    admitted_at: float = -1.0
     first_token_at: float = -1.0
     last_token_at: float = -1.0
+    missed: bool = False
+    """Counted as an SLO miss already (late first token or slow tokens)."""
 
 
 @dataclass(eq=False)
@@ -85,6 +92,8 @@ class Instance:
     """KV tokens the batch holds now (prompts + generated)."""
     kv_reserved: int = 0
     """KV tokens the batch will hold at the end (prompts + outputs): admission counts these."""
+    arriving: int = 0
+    """Requests whose KV is on its way here from their prefill instance."""
     busy_s: float = 0.0
 
     @property

@@ -29,6 +29,7 @@ from conductor.scheduler import (
     loadable_blocks,
 )
 from simulator.cluster import ClusterSpec, Instance, Job
+from simulator.peers.base import EngineMetrics
 from simulator.pool import BlockCache
 from simulator.profile import LatencyProfile
 from simulator.trace import TraceRequest, block_hashes
@@ -53,13 +54,33 @@ class RequestResult:
     pool_tokens: int = 0
     prefill_id: str = ""
     decode_id: str = ""
+    stages: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
+    """Its TTFT by stage, seconds (`STAGES`): queued for its prefill, prefill (pull and
+    compute), KV transfer to the decode instance (0 when it prefilled there), waiting there
+    for KV room, then the step that makes its first token (and the wait for it)."""
+
+
+STAGES = ("prefill_queue", "prefill", "kv_transfer", "decode_admit", "first_step")
 
 
 class Simulation:
     def __init__(self, trace: list[TraceRequest], profile: LatencyProfile, spec: ClusterSpec,
-                 policy: Policy, on_arrival: Callable[[], None] | None = None) -> None:
+                 policy: Policy, on_arrival: Callable[[], None] | None = None,
+                 miss_budget: int | None = None) -> None:
+        """`policy` may be a conductor policy or a stateful peer router: if it has `bind`,
+        `prefilled` or `finished` (`simulator.peers.base.PeerRouter`), it is given the engines'
+        metrics and told of prefill ends and completions. `miss_budget`: stop the run once more
+        requests than this have missed an SLO (`aborted` is then set; the results are partial)."""
         self.trace, self.profile, self.spec, self.policy = trace, profile, spec, policy
         self.on_arrival = on_arrival
+        self.miss_budget = miss_budget
+        self.misses = 0
+        self.aborted = False
+        bind = getattr(policy, "bind", None)
+        if bind is not None:
+            bind(self.engine_metrics)
+        self._prefilled = getattr(policy, "prefilled", None)
+        self._finished = getattr(policy, "finished", None)
         self.params = SchedulerParams(
             ttft_slo_s=spec.ttft_slo_s, tbt_slo_s=spec.tbt_slo_s, prefill=profile.prefill,
             tbt=profile.tbt, transfer_s_per_block=profile.transfer_s_per_block,
@@ -91,7 +112,7 @@ class Simulation:
     def run(self) -> list[RequestResult]:
         for i, r in enumerate(self.trace):
             self.schedule(r.arrival_s, ARRIVE, i)
-        while self.events:
+        while self.events and not self.aborted:
             self.now, _, kind, what = heapq.heappop(self.events)
             if kind == ARRIVE:
                 self.arrive(what)  # type: ignore[arg-type]
@@ -120,6 +141,7 @@ class Simulation:
         if decision is None or isinstance(decision, Reject):
             self.results.append(RequestResult(i, r.arrival_s, r.input_length, r.output_length,
                                               rejected=True))
+            self.missed()
             return
         p, d = self.by_id[decision.prefill_id], self.by_id[decision.decode_id]
         job = Job(f"r{i}", i, r, hashes, decision, p, d)
@@ -165,6 +187,7 @@ class Simulation:
         inst.cache.touch(h[:local])
         if pool > local:
             self.pool.touch(h[:pool])
+        job.prefill_at = self.now
         job.cached_tokens, job.pool_tokens = cached * bs, max(pool - local, 0) * bs
         pull = prof.transfer_s_fixed + (pool - local) * prof.transfer_s_per_block \
             if pool > local else 0.0
@@ -187,18 +210,25 @@ class Simulation:
             self.pool.insert(h)
             self.index.store(POOL, h)
         inst.load.end_prefill(job.rid, self.now)
+        job.prefilled_at = self.now
+        if self._prefilled is not None:
+            self._prefilled(job.index + 1)
         d = job.decode
         if d is inst:
             self.join(job)
             return
         lack = len(h) - min(d.cache.match(h), len(h))
         prof = self.profile
+        d.arriving += 1
         self.schedule(self.now + prof.transfer_s_fixed + lack * prof.transfer_s_per_block,
                       JOIN, job)
 
     def join(self, job: Job) -> None:
         """The request's KV is on its decode instance: run it when it fits."""
         d = job.decode
+        job.joined_at = self.now
+        if d is not job.prefill:
+            d.arriving -= 1
         if d.waiting or not d.fits(job):
             d.waiting.append(job)
         else:
@@ -206,6 +236,7 @@ class Simulation:
         self.kick(d)
 
     def admit(self, d: Instance, job: Job) -> None:
+        job.admitted_at = self.now
         d.batch.append(job)
         d.kv_tokens += job.req.input_length
         d.kv_reserved += job.req.input_length + job.req.output_length
@@ -219,6 +250,8 @@ class Simulation:
             job.generated += 1
             if job.generated == 1:
                 job.first_token_at = now
+                if now - job.req.arrival_s > self.spec.ttft_slo_s:
+                    self.missed(job)
             job.last_token_at = now
             inst.load.decode_progress(job.rid, 1)
             if job.generated >= job.req.output_length:
@@ -236,10 +269,43 @@ class Simulation:
         d.cache.insert(job.hashes)
         self.index.store(d.iid, job.hashes)
         d.load.end_decode(job.rid)
+        if self._finished is not None:
+            self._finished(job.index + 1)
         steps = job.generated - 1
+        tbt = (job.last_token_at - job.first_token_at) / steps if steps else 0.0
+        if tbt > self.spec.tbt_slo_s:
+            self.missed(job)
         self.results.append(RequestResult(
             job.index, r.arrival_s, r.input_length, r.output_length,
-            ttft_s=job.first_token_at - r.arrival_s,
-            tbt_s=(job.last_token_at - job.first_token_at) / steps if steps else 0.0,
+            ttft_s=job.first_token_at - r.arrival_s, tbt_s=tbt,
             finish_s=self.now, cached_tokens=job.cached_tokens, pool_tokens=job.pool_tokens,
-            prefill_id=job.prefill.iid, decode_id=d.iid))
+            prefill_id=job.prefill.iid, decode_id=d.iid,
+            stages=(job.prefill_at - r.arrival_s, job.prefilled_at - job.prefill_at,
+                    job.joined_at - job.prefilled_at, job.admitted_at - job.joined_at,
+                    job.first_token_at - job.admitted_at)))
+
+    def missed(self, job: Job | None = None) -> None:
+        """Count a request that misses an SLO (once); past the budget, the run stops."""
+        if job is not None:
+            if job.missed:
+                return
+            job.missed = True
+        self.misses += 1
+        if self.miss_budget is not None and self.misses > self.miss_budget:
+            self.aborted = True
+
+    # ------------------------------------------------------------------ metrics
+
+    def engine_metrics(self) -> dict[str, EngineMetrics]:
+        """Every engine's metrics as a router would scrape them now."""
+        bs = self.profile.block_size
+        out = {}
+        for i in self.instances:
+            prompt = i.running_prefill.req.input_length if i.running_prefill else 0
+            cap = i.kv_capacity_tokens
+            out[i.iid] = EngineMetrics(
+                waiting=len(i.queue) + len(i.waiting) + i.arriving,
+                running=(i.running_prefill is not None) + len(i.batch),
+                kv_usage=min((i.kv_tokens + prompt) / cap, 1.0) if cap else 0.0,
+                cache_blocks=cap // bs)
+        return out

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from simulator.engine import RequestResult
+from simulator.engine import STAGES, RequestResult
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,26 @@ def summarize(policy: str, results: Sequence[RequestResult], ttft_slo_s: float,
         pool_hit_ratio=sum(r.pool_tokens for r in ok) / prompt)
 
 
+def stage_row(policy: str, results: Sequence[RequestResult], ttft_slo_s: float,
+              tbt_slo_s: float, **extra: object) -> dict:
+    """Where a run's TTFT goes: mean and p90 of each stage (`engine.STAGES`) over admitted
+    requests, the share prefilled on their decode instance, and the misses by kind."""
+    ok = [r for r in results if not r.rejected]
+    row: dict = {**extra, "policy": policy, "requests": len(results)}
+    for n, stage in enumerate(STAGES):
+        xs = [r.stages[n] for r in ok]
+        row[f"{stage}_mean_s"] = sum(xs) / len(xs) if xs else math.nan
+        row[f"{stage}_p90_s"] = percentile(xs, 90)
+    row["local_share"] = sum(r.prefill_id == r.decode_id for r in ok) / len(ok) if ok else 0.0
+    prompt = sum(r.input_length for r in ok) or 1
+    row["hit_ratio"] = sum(r.cached_tokens for r in ok) / prompt
+    row["rejected"] = len(results) - len(ok)
+    row["ttft_misses"] = sum(r.ttft_s > ttft_slo_s for r in ok)
+    row["tbt_only_misses"] = sum(r.ttft_s <= ttft_slo_s and r.tbt_s > tbt_slo_s
+                                 for r in ok)
+    return row
+
+
 def write_rows(rows: Sequence[dict], stem: Path) -> None:
     """`stem`.json and `stem`.csv of flat dict rows."""
     stem.parent.mkdir(parents=True, exist_ok=True)
@@ -119,6 +139,23 @@ def plot_lines(series: dict[str, tuple[Sequence[float], Sequence[float]]], xlabe
     for name, (xs, ys) in series.items():
         ax.plot(xs, ys, marker="o", label=name)
     _finish(plt, fig, ax, xlabel, ylabel, title, path)
+
+
+def plot_capacity(rows: Sequence[dict], path: Path, title: str) -> None:
+    """Capacity per arm (bars), one group per profile, each relative to kv_centric's."""
+    plt = _plt()
+    profiles = list(dict.fromkeys(r["profile"] for r in rows))
+    arms = list(dict.fromkeys(r["arm"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6.4, 0.5 * len(arms) * len(profiles)), 4.2))
+    width = 0.8 / len(profiles)
+    for n, prof in enumerate(profiles):
+        by = {r["arm"]: r["capacity_rps"] for r in rows if r["profile"] == prof}
+        ref = by.get("kv_centric") or max(by.values()) or 1.0
+        ax.bar([i + n * width for i in range(len(arms))],
+               [by.get(a, 0.0) / ref for a in arms], width, label=prof)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(arms))])
+    ax.set_xticklabels(arms, rotation=45, ha="right", fontsize=7)
+    _finish(plt, fig, ax, "", "capacity / kv_centric's", title, path)
 
 
 def _finish(plt, fig, ax, xlabel: str, ylabel: str, title: str, path: Path) -> None:

@@ -16,6 +16,8 @@ from conductor.scheduler import (
 )
 from simulator.cluster import ClusterSpec
 from simulator.engine import RequestResult, Simulation
+from simulator.peers import PEERS
+from simulator.peers import make as make_peer
 from simulator.pool import BlockCache
 from simulator.profile import LatencyProfile
 from simulator.trace import TraceRequest, block_hashes, thinned_reuse, time_scaled
@@ -35,15 +37,23 @@ def colocated(snap: ClusterSnapshot, req: RouteRequest) -> Route | Reject | None
     return replace(r, decode_id=r.prefill_id)
 
 
+def make_policy(name: str) -> Policy:
+    """A conductor policy, `colocated`, or a fresh peer router (`simulator.peers`) by name."""
+    if name == "colocated":
+        return colocated
+    if name in PEERS:
+        return make_peer(name)
+    return POLICIES[name]
+
+
 def run_policy(trace: list[TraceRequest], profile: LatencyProfile, spec: ClusterSpec,
                name: str, tick: Callable[[], None] | None = None,
                pool: bool | None = None) -> list[RequestResult]:
-    """One run of a named policy (or `colocated`); the pool is on for POOL_POLICIES unless
-    `pool` says otherwise."""
-    policy: Policy = colocated if name == "colocated" else POLICIES[name]
+    """One run of a named policy (or `colocated`, or a peer); the pool is on for
+    POOL_POLICIES unless `pool` says otherwise."""
     use = name in POOL_POLICIES if pool is None else pool
     spec = replace(spec, use_pool=spec.use_pool and use)
-    return Simulation(trace, profile, spec, policy, tick).run()
+    return Simulation(trace, profile, spec, make_policy(name), tick).run()
 
 
 def capacity_hit_ratio(trace: list[TraceRequest], block_size: int, capacity: int | None,
