@@ -18,11 +18,12 @@ here to the registry, the router and the tenants.
   stays drained. Records of instances no longer registered are kept, at most
   `max_instance_records`; beyond, the oldest of them are dropped in the transaction that
   adds one. ResizePool clears the records of the workers it starts and retires.
-- **Fitted models.** Each replica writes its prefill-time and TBT models with the timings
-  they were fitted from every `control_models_s` when it timed something since (a plain put:
-  the last writer wins), and merges what the others write (`Fitter.adopt`: each timing once),
-  so a replica that starts prices with what was learned, and what the killed one learned
-  since its last write is lost.
+- **Fitted models.** Every `control_models_s` each replica writes its prefill-time and TBT
+  models with the timings they were fitted from, when it holds a timing the stored record
+  lacks (a plain put: the last writer wins), and merges what the others write
+  (`Fitter.adopt`: each timing once), so the record converges to every replica's timings
+  and a replica that starts prices with what was learned. What a killed replica timed since
+  its last write is lost.
 """
 
 from __future__ import annotations
@@ -86,8 +87,6 @@ class ControlState:
         self._entries: dict[str, _Entry] = {}
         self._bad: dict[str, int] = {}
         """Keys whose record is invalid, with the revision logged."""
-        self._written: dict[str, int] = {}
-        """Each model's own observations when it was last written."""
         self._task: asyncio.Task[None] | None = None
         registry.listen(self)
 
@@ -345,11 +344,15 @@ class ControlState:
             await self.write_models()
 
     async def write_models(self) -> None:
-        """Write each model that timed something since it was last written (a plain put:
-        the last writer wins); an unreachable etcd is tried again next time."""
+        """Write each model whose timings hold one the stored record lacks (one timed here, or
+        merged from a record written meanwhile by a replica that had not seen this one's): a
+        plain put, the last writer wins, and a replica whose timings the record holds writes
+        nothing. An unreachable etcd is tried again next time."""
         for kind, (fitter, _) in self._fitters().items():
-            learned = fitter.observations
-            if learned == self._written.get(kind, 0):
+            stored = self.record(f"models/{kind}")
+            known = set(stored.rows) if isinstance(stored, ModelControl) and (
+                stored.served_model == self.config.served_model_name) else set()
+            if set(fitter.rows()) <= known:
                 continue
             wall, now = time.time(), time.monotonic()
             rec = ModelControl(kind, self.config.served_model_name,
@@ -360,7 +363,6 @@ class ControlState:
             except StoreUnavailable as e:
                 log.info("control_models_not_written", error=str(e))
                 return
-            self._written[kind] = learned
             if revision is not None:
                 self._offer(rec.key, revision, rec)
 

@@ -157,13 +157,24 @@ def test_a_change_through_one_replica_holds_on_all_of_them_and_across_its_restar
                 router.tbt_fit.observe(k, k * 1000, 0.02 + 0.004 * k, now=now)
 
         r1.call(learn)
-        wait_until(lambda: _models(r2)[2:] == _models(r1)[2:], 5, "models not shared")
-        written = r1.call(lambda: (r1.conductor.control.record("models/prefill"),
-                                   r1.conductor.control.record("models/tbt")))
-        assert all(isinstance(m, ModelControl) for m in written)
-        learned = _models(r1)
-        assert tuple(written[0].coefficients) == learned[0].coefficients()
+
+        def stored(c: LocalConductor) -> tuple:
+            """The models as last written (by any replica), as the replica saw them."""
+            control = c.conductor.control
+            return c.call(lambda: tuple(control.record(f"models/{k}") for k in ("prefill",
+                                                                                 "tbt")))
+
+        def shared() -> bool:  # both replicas hold the record's timings, and its models
+            written, mine = stored(r1), _models(r1)
+            return all(isinstance(m, ModelControl) for m in written) and _models(r2) == mine \
+                and (set(written[0].rows), set(written[1].rows)) == mine[2:]
+
+        wait_until(shared, 10, "the models were not shared")
+        learned, written = _models(r1), stored(r1)
+        assert (tuple(written[0].coefficients), tuple(written[1].coefficients)) == (
+            learned[0].coefficients(), learned[1].coefficients())
         assert learned[0] != r1.conductor.pipeline.router.prefill_fit.prior
+        assert len(learned[2]) >= 5 and len(learned[3]) >= 4  # all those timings, at least
 
         stopped()  # replica 1 goes away ...
         r1b = stack.enter_context(cluster.replica())  # ... and comes back
