@@ -176,6 +176,10 @@ def test_a_change_through_one_replica_holds_on_all_of_them_and_across_its_restar
         assert learned[0] != r1.conductor.pipeline.router.prefill_fit.prior
         assert len(learned[2]) >= 5 and len(learned[3]) >= 4  # all those timings, at least
 
+        async def nothing() -> None:
+            pass
+
+        r1.conductor.control.write_models = nothing  # no last write, as if killed
         stopped()  # replica 1 goes away ...
         r1b = stack.enter_context(cluster.replica())  # ... and comes back
         assert _models(r1b) == learned  # priced with what was learned, before any request
