@@ -241,8 +241,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                                 f"this conductor serves {name!r}, not {request.model!r}")
         if request.ttft_ms < 0 or request.tbt_ms < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "SLOs must be positive")
-        await self._change(context, self.control.set_slo(request.ttft_ms / 1000 or None,
-                                                         request.tbt_ms / 1000 or None))
+        if request.ttft_ms or request.tbt_ms:
+            await self._change(context, self.control.set_slo(request.ttft_ms / 1000 or None,
+                                                             request.tbt_ms / 1000 or None))
         return admin_pb2.SetSLOReply(model=name, ttft_ms=self.router.ttft_slo_s * 1000,
                                      tbt_ms=self.router.tbt_slo_s * 1000)
 
