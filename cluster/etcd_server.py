@@ -34,10 +34,17 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from aetcd import rpc  # aetcd's generated etcd v3 stubs
+
+from cluster.etcd_access import EtcdAccess
 from cluster.ports import free_port
 from cluster.process import ManagedServer
 
 _SPAWN_ATTEMPTS = 3
+COMPACTION = ("--auto-compaction-mode", "periodic", "--auto-compaction-retention", "1h")
+"""etcd keeps every revision until compacted: the conductors' fitted models, rewritten every
+`control_models_s`, would otherwise grow its database towards its quota (2 GiB), past which
+etcd refuses every write, registrations included."""
 
 if TYPE_CHECKING:
     from typing import Self
@@ -116,6 +123,7 @@ class EtcdServer(ManagedServer):
             "--initial-advertise-peer-urls", peer_url,
             "--initial-cluster", f"{self.name}={peer_url}",
             "--initial-cluster-state", "new",  # ignored when the data dir already has a member
+            *COMPACTION,
             *self._tls_args(),
             *self.extra_args,
         ]  # fmt: skip
@@ -178,6 +186,16 @@ class EtcdServer(ManagedServer):
                 raise RuntimeError(
                     f"etcd exited at startup (code {returncode}); log tail:\n{self.tail()}"
                 )
+
+    def delete_prefix(self, prefix: str, timeout: float = 5.0) -> int:
+        """Delete every key under `prefix` (a fresh start for the state kept there); returns
+        how many there were."""
+        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        with EtcdAccess.from_certs(self.endpoint, self.tls).channel() as channel:
+            reply = rpc.KVStub(channel).DeleteRange(
+                rpc.DeleteRangeRequest(key=prefix.encode(), range_end=end.encode()),
+                timeout=timeout)
+        return int(reply.deleted)
 
     def ready(self, deadline: float) -> bool:
         return self.healthy()

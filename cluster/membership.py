@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import aetcd
-import grpc
 import structlog
 
 from cluster.etcd_access import EtcdAccess
+from cluster.etcd_prefix import ETCD_ERRORS, EtcdUser, PrefixFollower, bounded
 from cluster.instance import InstanceInfo
 from cluster.resilience import Backoff
 
@@ -29,81 +28,10 @@ log = structlog.get_logger(__name__)
 
 DEFAULT_PREFIX = "/kvcluster/instances/"
 
-# gRPC's default reconnect backoff grows to 120 s: keep it short so that etcd coming back is
-# noticed within a second or two. (We also replace the client after any failure.)
-_GRPC_OPTIONS = {
-    "grpc.initial_reconnect_backoff_ms": 200,
-    "grpc.min_reconnect_backoff_ms": 200,
-    "grpc.max_reconnect_backoff_ms": 2000,
-}
-
-# What "etcd is unreachable or misbehaving" looks like through aetcd.
-_ETCD_ERRORS = (aetcd.ClientError, grpc.RpcError, asyncio.TimeoutError, OSError, ConnectionError)
-
 MembersCallback = Callable[[dict[str, InstanceInfo]], Awaitable[None] | None]
 
 
-async def _bounded(aw: Awaitable[Any], timeout: float) -> Any:
-    """`await aw` for at most `timeout` seconds (TimeoutError after).
-
-    Not `asyncio.wait_for`: before Python 3.12 it returns the result, swallowing the caller's
-    cancellation, when both happen together; a cancelled background task then runs on.
-    """
-    if hasattr(asyncio, "timeout"):  # Python >= 3.11
-        async with asyncio.timeout(timeout):
-            return await aw
-    return await asyncio.wait_for(aw, timeout)
-
-
-def _new_client(access: EtcdAccess, rpc_timeout: float) -> aetcd.Client:
-    return access.client(rpc_timeout, dict(_GRPC_OPTIONS))
-
-
-async def _close_client(client: aetcd.Client | None, timeout: float) -> None:
-    if client is None:
-        return
-    try:
-        await _bounded(client.close(), timeout)
-    except Exception as e:  # closing is best-effort
-        log.debug("etcd_client_close_failed", error=repr(e))
-
-
-class _EtcdUser:
-    """Shared plumbing: one replaceable client, calls bounded in time, one background task."""
-
-    def __init__(self, etcd: str | EtcdAccess, prefix: str, rpc_timeout: float) -> None:
-        self.access = etcd if isinstance(etcd, EtcdAccess) else EtcdAccess(etcd)
-        self.endpoint = self.access.endpoint
-        self.prefix = prefix
-        self.rpc_timeout = rpc_timeout
-        self._client: aetcd.Client | None = None
-        self._task: asyncio.Task[None] | None = None
-
-    def _conn(self) -> aetcd.Client:
-        if self._client is None:
-            self._client = _new_client(self.access, self.rpc_timeout)
-        return self._client
-
-    async def _call(self, coro: Awaitable[Any]) -> Any:
-        # gRPC's own deadline (rpc_timeout) normally fires first; this is the backstop.
-        return await _bounded(coro, self.rpc_timeout + 0.5)
-
-    async def _drop_client(self) -> None:
-        client, self._client = self._client, None
-        await _close_client(client, self.rpc_timeout)
-
-    async def _cancel_task(self) -> None:
-        task, self._task = self._task, None
-        if task is None:
-            return
-        while not task.done():  # insist: a cancellation can be swallowed (see `_bounded`)
-            task.cancel()
-            await asyncio.wait({task}, timeout=0.1)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("background_task_failed", task=task.get_name(), error=repr(task.exception()))
-
-
-class Registration(_EtcdUser):
+class Registration(EtcdUser):
     """Keeps `info` registered under `<prefix><instance_id>` on a lease of `ttl` seconds.
 
     The lease is refreshed every ttl/3. When etcd can't be reached the registration retries with
@@ -159,7 +87,7 @@ class Registration(_EtcdUser):
         if timeout is None:
             return
         try:
-            await _bounded(self._first_registration.wait(), timeout)
+            await bounded(self._first_registration.wait(), timeout)
         except TimeoutError:
             await self.abandon()
             raise TimeoutError(
@@ -179,12 +107,12 @@ class Registration(_EtcdUser):
         if leases:
             client = self._conn()
             try:
-                await _bounded(
+                await bounded(
                     asyncio.gather(*(client.revoke_lease(lease) for lease in leases)),
                     self.rpc_timeout if timeout is None else timeout,
                 )
                 log.info("deregistered", key=self.key)
-            except _ETCD_ERRORS as e:
+            except ETCD_ERRORS as e:
                 log.warning("deregister_failed", key=self.key, error=repr(e), expires_in=self.ttl)
         await self._drop_client()
 
@@ -224,7 +152,7 @@ class Registration(_EtcdUser):
             except Exception as e:
                 if self._registered:
                     log.warning("etcd_unreachable", key=self.key, error=repr(e), retrying=True)
-                elif not isinstance(e, _ETCD_ERRORS):
+                elif not isinstance(e, ETCD_ERRORS):
                     log.exception("registration_error", key=self.key)
                 else:
                     log.debug("registration_retry", key=self.key, error=repr(e))
@@ -270,22 +198,22 @@ class Registration(_EtcdUser):
     async def _revoke_quietly(self, lease_id: int) -> None:
         try:
             await self._call(self._conn().revoke_lease(lease_id))
-        except _ETCD_ERRORS as e:
+        except ETCD_ERRORS as e:
             log.debug("revoke_failed", key=self.key, lease=lease_id, error=repr(e))
 
 
-class MembershipWatcher(_EtcdUser):
+class MembershipWatcher(PrefixFollower):
     """A live `instance_id -> InstanceInfo` map of everything registered under `prefix`.
 
-    Follows etcd with a prefix snapshot, then a watch from the snapshot's revision + 1, and
-    probes etcd every `probe_interval` (a hung etcd does not break a watch stream). When etcd
-    is unreachable the last membership is kept (`synced` turns False) and reconnection is
-    retried with backoff; on reconnect the snapshot replaces the map, so members that vanished
-    meanwhile are removed. Malformed entries are logged and ignored.
+    Follows etcd as `cluster.etcd_prefix.PrefixFollower` does: when etcd is unreachable the
+    last membership is kept (`synced` turns False); on reconnect the snapshot replaces the map,
+    so members that vanished meanwhile are removed. Malformed entries are logged and ignored.
 
     `on_change(members)` (sync or async) gets a copy of the map after every change; it runs in
     the watcher's task, so it should be quick. Its errors are logged, not raised.
     """
+
+    what = "membership"
 
     def __init__(
         self,
@@ -297,15 +225,10 @@ class MembershipWatcher(_EtcdUser):
         probe_interval: float = 2.0,
         max_backoff: float = 1.0,
     ) -> None:
-        super().__init__(etcd, prefix, rpc_timeout)
-        self._prefix_bytes = prefix.encode()
+        super().__init__(etcd, prefix, rpc_timeout=rpc_timeout, probe_interval=probe_interval,
+                         max_backoff=max_backoff)
         self._on_change = on_change
-        self._probe_interval = probe_interval
-        self._max_backoff = max_backoff
         self._members: dict[str, InstanceInfo] = {}
-        self._revision = 0
-        self._synced = False
-        self._first_sync = asyncio.Event()
         self._changed = asyncio.Condition()
 
     def members(self) -> dict[str, InstanceInfo]:
@@ -315,131 +238,42 @@ class MembershipWatcher(_EtcdUser):
     def get(self, instance_id: str) -> InstanceInfo | None:
         return self._members.get(instance_id)
 
-    @property
-    def synced(self) -> bool:
-        """True while following etcd live; False before the first snapshot and during outages."""
-        return self._synced
-
-    @property
-    def revision(self) -> int:
-        """The etcd revision the membership reflects."""
-        return self._revision
-
-    async def start(self, timeout: float | None = 10.0) -> None:
-        """Start following. Waits up to `timeout` for the first snapshot (raising TimeoutError
-        and closing if there is none); `None` does not wait."""
-        if self._task is not None:
-            raise RuntimeError("membership watcher already started")
-        self._task = asyncio.create_task(self._run(), name=f"etcd-membership:{self.prefix}")
-        if timeout is None:
-            return
-        try:
-            await _bounded(self._first_sync.wait(), timeout)
-        except TimeoutError:
-            await self.close()
-            raise TimeoutError(
-                f"no membership snapshot from etcd {self.endpoint} within {timeout}s"
-            ) from None
-
     async def wait_for(
         self, predicate: Callable[[dict[str, InstanceInfo]], bool], timeout: float
     ) -> bool:
         """Wait until `predicate(members)` holds; False if it still doesn't after `timeout`."""
         async with self._changed:
             try:
-                await _bounded(self._changed.wait_for(lambda: predicate(self.members())), timeout)
+                await bounded(self._changed.wait_for(lambda: predicate(self.members())), timeout)
                 return True
             except TimeoutError:
                 return False
 
-    async def close(self) -> None:
-        """Stop following (the last membership stays readable)."""
-        await self._cancel_task()
-        self._synced = False
-        await self._drop_client()
+    def _outage_fields(self) -> dict[str, Any]:
+        return {"keeping_members": len(self._members)}
 
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
+    def _synced_fields(self) -> dict[str, Any]:
+        return {"members": sorted(self._members)}
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def _run(self) -> None:
-        backoff = Backoff(0.1, self._max_backoff)
-        while True:
-            try:
-                await self._follow(backoff)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                if self._synced:
-                    log.warning(
-                        "etcd_unreachable",
-                        prefix=self.prefix,
-                        error=repr(e),
-                        keeping_members=len(self._members),
-                    )
-                elif not isinstance(e, _ETCD_ERRORS):
-                    log.exception("membership_watch_error", prefix=self.prefix)
-                else:
-                    log.debug("membership_retry", prefix=self.prefix, error=repr(e))
-            finally:
-                self._synced = False
-                await self._drop_client()
-            await asyncio.sleep(backoff.next())
-
-    async def _follow(self, backoff: Backoff) -> None:
-        """One connection's life: snapshot, watch, probe; returns only by raising."""
-        client = self._conn()
-        snapshot = await self._call(client.get_prefix(self._prefix_bytes))
+    async def _snapshot(self, kvs: Sequence[Any], revision: int) -> None:
         members: dict[str, InstanceInfo] = {}
-        for kv in snapshot:
+        for kv in kvs:
             item = self._decode(kv.key, kv.value)
             if item is not None:
                 members[item.instance_id] = item
-        self._revision = snapshot.header.revision
         await self._replace(members)
-        watch = await self._call(
-            client.watch_prefix(self._prefix_bytes, start_revision=self._revision + 1)
-        )
-        self._synced = True
-        self._first_sync.set()
-        backoff.reset()
-        log.info(
-            "membership_synced",
-            prefix=self.prefix,
-            members=sorted(self._members),
-            revision=self._revision,
-        )
-        consumer = asyncio.create_task(self._consume(watch))
-        try:
-            while True:
-                done, _ = await asyncio.wait({consumer}, timeout=self._probe_interval)
-                if done:
-                    consumer.result()  # re-raises the stream's error
-                    raise ConnectionError("etcd watch stream ended")
-                await self._call(client.get(self._prefix_bytes))
-        finally:
-            consumer.cancel()
-            await asyncio.gather(consumer, return_exceptions=True)
 
-    async def _consume(self, watch: aetcd.Watch) -> None:
-        async for event in watch:
-            instance_id = event.kv.key[len(self._prefix_bytes) :].decode(errors="replace")
-            if event.kind == aetcd.EventKind.PUT:
-                item = self._decode(event.kv.key, event.kv.value)
-            else:
-                item = None
-            self._revision = max(self._revision, event.kv.mod_revision)
-            before = self._members.get(instance_id)
-            if item is not None:
-                self._members[instance_id] = item
-            else:
-                self._members.pop(instance_id, None)
-            if item != before:
-                self._log_change(instance_id, before, item)
-                await self._notify()
+    async def _event(self, put: bool, key: bytes, value: bytes, revision: int) -> None:
+        instance_id = key[len(self._prefix_bytes) :].decode(errors="replace")
+        item = self._decode(key, value) if put else None
+        before = self._members.get(instance_id)
+        if item is not None:
+            self._members[instance_id] = item
+        else:
+            self._members.pop(instance_id, None)
+        if item != before:
+            self._log_change(instance_id, before, item)
+            await self._notify()
 
     async def _replace(self, members: dict[str, InstanceInfo]) -> None:
         if members == self._members:

@@ -5,6 +5,10 @@ Every Admin call needs `authorization: Bearer <token>` when a token is configure
 or wrong one is UNAUTHENTICATED before the call runs, so it changes nothing. Health and
 reflection stay open (they reveal nothing an operator's load balancer should not see).
 
+Drains, role switches, SLOs, the policy and tenants' limits change through the control state
+(`conductor.control_state`): written to etcd first, then in force here; the other replicas
+follow etcd. A change etcd cannot store answers UNAVAILABLE and changes nothing.
+
 Pools change through `Provisioner`: embedded mode (the launcher handed the conductor a
 `WorkerSpec`) starts worker processes here and retires drained surplus ones once idle; a
 deployed cluster can only drain instances (kept as standbys that a later resize undrains)
@@ -25,6 +29,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from conductor.control_state import ControlState
 from conductor.errors import ConductorError, mapping
 from conductor.provision import Provisioner
 from conductor.registry import Instance, Registry
@@ -68,7 +73,19 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self.registry: Registry = conductor.registry
         self.router = conductor.pipeline.router
         self.provisioner = provisioner
+        self.control: ControlState = conductor.control
         self._resize_lock = asyncio.Lock()
+
+    async def _change(self, context: grpc.aio.ServicerContext, change: Awaitable[Any]) -> Any:
+        """A control state change: INVALID_ARGUMENT for a bad value, UNAVAILABLE when it could
+        not be stored (nothing changed then)."""
+        try:
+            return await change
+        except ConductorError as e:
+            log.warning("control_change_failed", error=e.message)
+            await context.abort(mapping(e).grpc, e.message)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     # ---------------------------------------------------------------- instances
 
@@ -122,7 +139,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                 log.warning("pool_resize_refused", role=p.role, target=p.target, reason=why)
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"cannot start {p.start} {p.role} worker(s): {why}")
-            reply = await self._apply(p)
+            reply = await self._apply(p, context)
         wait_for = [*reply.started, *reply.starting]
         if request.wait and wait_for:
             timeout = request.timeout_s or _DEFAULT_WAIT_S
@@ -140,21 +157,30 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                  cancelled=list(reply.cancelled), unmet=reply.unmet)
         return reply
 
-    async def _apply(self, p: ResizePlan) -> admin_pb2.ResizePoolReply:
+    async def _apply(self, p: ResizePlan, context: grpc.aio.ServicerContext
+                     ) -> admin_pb2.ResizePoolReply:
+        """The plan's drains, undrains and switches in one change of the control state (with
+        the records of the workers it starts cleared: a new process is not drained), then the
+        processes started, cancelled and retired."""
         reply = admin_pb2.ResizePoolReply(role=p.role, target=p.target, before=p.before,
                                           starting=p.starting, undrained=p.undrain,
                                           cancelled=p.cancel)
-        for iid in p.undrain:
-            self.registry.set_draining(iid, False)
+        names = [self.provisioner.name(p.role) for _ in range(p.start)]
+        changes: dict[str, dict[str, Any]] = {iid: {"draining": False, "role": ""}
+                                              for iid in names}
+        changes.update((iid, {"draining": False}) for iid in p.undrain)
         for iid, role in p.switch:
-            self.registry.set_role(iid, role)
-            reply.switched.append(iid)
+            changes.setdefault(iid, {})["role"] = role
+        changes.update((iid, {"draining": True}) for iid in p.drain)
+        if changes:
+            await self._change(context, self.control.set_instances(changes))
+        reply.switched.extend(iid for iid, _ in p.switch)
         for iid in p.cancel:
             self.provisioner.cancel(iid)
-        for _ in range(p.start):  # a thread each: the event loop serves on meanwhile
-            reply.started.append(await asyncio.to_thread(self.provisioner.start, p.role))
+        for iid in names:  # a thread each: the event loop serves on meanwhile
+            reply.started.append(await asyncio.to_thread(self.provisioner.start, p.role, iid))
         for iid in p.drain:
-            inst = self.registry.set_draining(iid, True)
+            inst = self.registry.get(iid)
             reply.drained.append(iid)
             if inst is not None and self.provisioner.can_start:  # else kept as a standby
                 self.provisioner.retire_when_idle(inst)
@@ -167,9 +193,13 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     async def Drain(self, request: admin_pb2.DrainRequest,
                     context: grpc.aio.ServicerContext) -> admin_pb2.DrainReply:
-        inst = self.registry.set_draining(request.instance_id, True)
+        iid = request.instance_id
+        if self.registry.get(iid) is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no instance {iid!r}")
+        await self._change(context, self.control.set_instances({iid: {"draining": True}}))
+        inst = self.registry.get(iid)
         if inst is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no instance {request.instance_id!r}")
+            return admin_pb2.DrainReply(instance_id=iid, state="absent")
         if request.wait:
             await self._until(lambda: inst.load.in_flight() == 0,
                               request.timeout_s or _DEFAULT_WAIT_S)
@@ -177,9 +207,13 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     async def Undrain(self, request: admin_pb2.DrainRequest,
                       context: grpc.aio.ServicerContext) -> admin_pb2.DrainReply:
-        inst = self.registry.set_draining(request.instance_id, False)
+        iid = request.instance_id
+        if self.registry.get(iid) is None and iid not in self.control.instance_records():
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no instance {iid!r}")
+        await self._change(context, self.control.set_instances({iid: {"draining": False}}))
+        inst = self.registry.get(iid)
         if inst is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no instance {request.instance_id!r}")
+            return admin_pb2.DrainReply(instance_id=iid, state="absent")
         return self._drain_reply(inst)
 
     @staticmethod
@@ -207,11 +241,21 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                                 f"this conductor serves {name!r}, not {request.model!r}")
         if request.ttft_ms < 0 or request.tbt_ms < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "SLOs must be positive")
-        ttft, tbt = self.router.set_slo(request.ttft_ms / 1000 or None,
-                                        request.tbt_ms / 1000 or None)
-        if request.tbt_ms and self.c.step_targets is not None:
-            self.c.step_targets.slo_changed()  # the engines' step target follows it
-        return admin_pb2.SetSLOReply(model=name, ttft_ms=ttft * 1000, tbt_ms=tbt * 1000)
+        if request.ttft_ms or request.tbt_ms:
+            await self._change(context, self.control.set_slo(request.ttft_ms / 1000 or None,
+                                                             request.tbt_ms / 1000 or None))
+        return admin_pb2.SetSLOReply(model=name, ttft_ms=self.router.ttft_slo_s * 1000,
+                                     tbt_ms=self.router.tbt_slo_s * 1000)
+
+    # ---------------------------------------------------------------- policy
+
+    async def SetPolicy(self, request: admin_pb2.SetPolicyRequest,
+                        context: grpc.aio.ServicerContext) -> admin_pb2.PolicyReply:
+        if request.policy or request.disaggregate:
+            await self._change(context, self.control.set_policy(request.policy,
+                                                                request.disaggregate))
+        return admin_pb2.PolicyReply(policy=self.router.policy_name,
+                                     disaggregate=self.router.disaggregate)
 
     # ---------------------------------------------------------------- prewarm
 
@@ -281,16 +325,10 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     async def SetTenantLimits(self, request: admin_pb2.SetTenantLimitsRequest,
                               context: grpc.aio.ServicerContext) -> admin_pb2.TenantStatus:
-        tenants, name = self.c.tenants, request.tenant
-        try:
-            if request.reset:
-                tenants.reset(name)
-            fields = ("max_concurrency", "tokens_per_s", "priority", "may_loosen_slo")
-            changes = {f: getattr(request, f) for f in fields if request.HasField(f)}
-            if changes or not request.reset:
-                tenants.set(name, tenants.limits(name).with_changes(**changes))
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        name = request.tenant
+        fields = ("max_concurrency", "tokens_per_s", "priority", "may_loosen_slo")
+        changes = {f: getattr(request, f) for f in fields if request.HasField(f)}
+        await self._change(context, self.control.set_tenant(name, changes, request.reset))
         status = self._tenant(name)
         log.info("tenant_limits_set", tenant=name, max_concurrency=status.max_concurrency,
                  tokens_per_s=status.tokens_per_s, priority=status.priority,

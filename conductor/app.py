@@ -33,6 +33,8 @@ from conductor.arrival import Arrival, arrived
 from conductor.auth import ApiKeyMiddleware, tenant_salt
 from conductor.chat import ChatTemplate
 from conductor.config import ConductorConfig
+from conductor.control_state import ControlState
+from conductor.control_store import ControlStore, EtcdControlStore, MemoryControlStore
 from conductor.deltas import Delta
 from conductor.errors import (
     ConductorError,
@@ -96,7 +98,8 @@ class Conductor:
     """Everything the endpoint needs, started and stopped with the app."""
 
     def __init__(self, config: ConductorConfig,
-                 membership: Callable[[Callable], Membership] | None = None) -> None:
+                 membership: Callable[[Callable], Membership] | None = None,
+                 control: ControlStore | None = None) -> None:
         self.config = config
         self.registry = Registry(config.cluster_secret, config.tls, Expected(
             models=frozenset({config.served_model_name, os.path.basename(
@@ -122,6 +125,11 @@ class Conductor:
         make = membership or (lambda on_change: MembershipWatcher(
             config.etcd_access, prefix=config.membership_prefix, on_change=on_change))
         self.watcher = make(self._on_members)
+        if control is None:  # beside a membership of the test's, this process's own
+            control = (MemoryControlStore() if membership is not None else
+                       EtcdControlStore(config.etcd_access, config.control_prefix))
+        self.control = ControlState(config, control, self.registry, self.pipeline.router,
+                                    self.tenants, self._tbt_slo_changed)
         self.started = int(time.time())
         self.health: HealthChecker | None = None
         self.provisioner = Provisioner(WorkerSpec.load(config.embedded_workers)
@@ -131,6 +139,10 @@ class Conductor:
         self.pool_sync: PoolSync | None = None
         self.in_flight = 0
         """Requests being answered (a stream counts until its generator ends)."""
+
+    def _tbt_slo_changed(self) -> None:
+        if self.step_targets is not None:  # the engines' step target follows it
+            self.step_targets.slo_changed()
 
     async def _on_members(self, members: dict) -> None:
         self._sync(members)
@@ -147,6 +159,7 @@ class Conductor:
         self.pool_stats = PoolStatsPoller(self.registry, self.config.stats_interval_s)
         self.step_targets = StepTargets(self.registry, lambda: self.pipeline.router.tbt_slo_s)
         self.pipeline.router.transfer_s_per_block = self.pool_stats.seconds_per_block
+        await self.control.start()  # before any instance joins: a drained one joins drained
         await self.watcher.start()
         self._sync(self.watcher.members())
         if self.config.pool_keys_url:
@@ -164,6 +177,7 @@ class Conductor:
             await self.pool_sync.close()
         if self.admin is not None:
             await self.admin.stop()
+        await self.control.close()
         await self.watcher.close()
         if self.health is not None:
             await self.health.close()
@@ -182,7 +196,8 @@ class Conductor:
 
     def ready(self) -> tuple[bool, str]:
         views = self.registry.views()
-        if self.config.policy not in DECODES_ALONE and not any(v.can_prefill() for v in views):
+        policy = self.pipeline.router.policy_name
+        if policy not in DECODES_ALONE and not any(v.can_prefill() for v in views):
             return False, "no prefill-capable instance is up"
         if not any(v.can_decode() for v in views):
             return False, "no decode-capable instance is up"
@@ -412,9 +427,11 @@ async def _disconnect(receive: Receive) -> None:
 
 
 def create_app(config: ConductorConfig,
-               membership: Callable[[Callable], Membership] | None = None) -> FastAPI:
-    """The ASGI app; `membership` replaces the etcd watcher (tests)."""
-    conductor = Conductor(config, membership)
+               membership: Callable[[Callable], Membership] | None = None,
+               control: ControlStore | None = None) -> FastAPI:
+    """The ASGI app; `membership` replaces the etcd watcher (tests), `control` the etcd
+    control state (with `membership`: one in memory)."""
+    conductor = Conductor(config, membership, control)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

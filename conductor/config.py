@@ -44,6 +44,15 @@ class ConductorConfig:
     policy: str = DEFAULT_POLICY
     """Routing policy: kv_centric | cache_aware | least_loaded | round_robin | random."""
     membership_prefix: str = "/kvcluster/instances/"
+    control_prefix: str = ""
+    """The etcd key prefix of the control state that every conductor of the cluster shares and
+    follows (`conductor.control_state`): drains and role switches, the default SLOs, the
+    policy, tenants' limits, the fitted time models. Empty: beside `membership_prefix` (its
+    parent + `control/`: `/kvcluster/control/` by default)."""
+    control_models_s: float = 30.0
+    """How often the fitted time models are written to the control state, when something was
+    timed since. Every conductor merges the timings the others wrote; one that starts prices
+    with them."""
     prefill_timeout_s: float = 120.0
     """Deadline of one prefill RPC."""
     pool_wait_margin_s: float = 0.5
@@ -189,7 +198,7 @@ class ConductorConfig:
         for name in ("prefill_timeout_s", "first_token_timeout_s", "request_timeout_s",
                      "ttft_slo_s", "tbt_slo_s", "pool_gbps", "index_max_blocks",
                      "predicted_ttl_s", "health_interval_s", "breaker_cooldown_s",
-                     "pool_sync_s", "stats_interval_s",
+                     "pool_sync_s", "stats_interval_s", "control_models_s",
                      "max_in_flight", "max_body_bytes", "pool_wait_margin_s",
                      "http_keep_alive_s", "http_head_timeout_s", "http_body_timeout_s",
                      "http_send_timeout_s", "batch_max_wait_s", "batch_queue_max"):
@@ -203,6 +212,14 @@ class ConductorConfig:
             raise ValueError(f"block_size must be in [0, {MAX_BLOCK_SIZE}], got {self.block_size}")
         if self.stall_timeout_s < 0:
             raise ValueError("stall_timeout_s must be 0 (derived) or positive")
+        if not self.control_prefix:
+            parent = self.membership_prefix.rstrip("/")
+            object.__setattr__(self, "control_prefix",
+                               parent[:parent.rfind("/") + 1] + "control/")
+        if (self.control_prefix.startswith(self.membership_prefix)
+                or self.membership_prefix.startswith(self.control_prefix)):
+            raise ValueError(f"control_prefix {self.control_prefix!r} and membership_prefix "
+                             f"{self.membership_prefix!r} must not contain one another")
         if self.disaggregate not in DISAGGREGATE:
             raise ValueError(f"disaggregate must be one of {DISAGGREGATE}, got "
                              f"{self.disaggregate!r}")

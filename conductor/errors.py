@@ -70,6 +70,13 @@ class Timeout(ConductorError):
     type = "TimeoutError"
 
 
+class ControlUnavailable(ConductorError):
+    """A change of the control state could not be stored (etcd unreachable, or the record
+    kept changing under it): nothing changed, here or anywhere (503, gRPC UNAVAILABLE)."""
+
+    type = "ServiceUnavailableError"
+
+
 @dataclass(frozen=True)
 class Mapping:
     http: int
@@ -85,6 +92,7 @@ ERROR_TABLE: dict[type[ConductorError], Mapping] = {
     Overloaded: Mapping(429, grpc.StatusCode.RESOURCE_EXHAUSTED),
     UpstreamFailed: Mapping(502, grpc.StatusCode.UNAVAILABLE),
     NoCapacity: Mapping(503, grpc.StatusCode.UNAVAILABLE),
+    ControlUnavailable: Mapping(503, grpc.StatusCode.UNAVAILABLE),
     Timeout: Mapping(504, grpc.StatusCode.DEADLINE_EXCEEDED),
     ConductorError: Mapping(500, grpc.StatusCode.INTERNAL),
 }

@@ -72,11 +72,17 @@ class Provisioner:
         capacity = Capacity(engine_bytes(self.spec), self.max_engines)
         return capacity.refusal(self.machine(), engines, starting, new)
 
-    def start(self, role: str) -> str:
-        """Start a worker of `role`; it joins routing when it registers (its engine loaded)."""
-        assert self.spec is not None, "not in embedded mode"
+    def name(self, role: str) -> str:
+        """A new instance id for a worker of `role` to start (`start`)."""
         instance_id = f"{role}-s{self._n}"
         self._n += 1
+        return instance_id
+
+    def start(self, role: str, instance_id: str | None = None) -> str:
+        """Start a worker of `role` (named `instance_id`, else a new name); it joins routing
+        when it registers (its engine loaded)."""
+        assert self.spec is not None, "not in embedded mode"
+        instance_id = instance_id or self.name(role)
         proc, port = self.spec.start(role, instance_id)
         self.processes[instance_id] = proc
         self.roles[instance_id] = role

@@ -15,7 +15,7 @@ from pathlib import Path
 import structlog
 
 from cluster.instance import PROBE_TOKENS
-from conductor.config import ConductorConfig
+from conductor.config import DISAGGREGATE, ConductorConfig
 from conductor.errors import InvalidRequest, NoCapacity, Overloaded
 from conductor.registry import Instance, Registry
 from conductor.scheduler.decode_model import TbtFitter
@@ -73,6 +73,7 @@ class Router:
                  block_bytes: int | None = None) -> None:
         self.config = config
         self.registry = registry
+        self.policy_name = config.policy
         self.policy = POLICIES[config.policy]
         self.index = KVIndex(config.index_max_blocks, config.predicted_ttl_s)
         self.prefill_fit = PrefillTimeFitter()
@@ -130,6 +131,29 @@ class Router:
         self._params = None
         log.info("slo_set", ttft_slo_s=self._base.ttft_slo_s, tbt_slo_s=self._base.tbt_slo_s)
         return self._base.ttft_slo_s, self._base.tbt_slo_s
+
+    def set_policy(self, policy: str, disaggregate: str) -> None:
+        """Route by `policy` (`conductor.scheduler.policy.POLICIES`) with `disaggregate` from
+        the next request on."""
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {tuple(POLICIES)}, got {policy!r}")
+        if disaggregate not in DISAGGREGATE:
+            raise ValueError(f"disaggregate must be one of {DISAGGREGATE}, got {disaggregate!r}")
+        if (policy, disaggregate) == (self.policy_name, self._base.disaggregate):
+            return
+        self.policy_name, self.policy = policy, POLICIES[policy]
+        self._base = replace(self._base, disaggregate=disaggregate)
+        self._params = None
+        log.info("policy_set", policy=policy, disaggregate=disaggregate)
+
+    @property
+    def disaggregate(self) -> str:
+        return self._base.disaggregate
+
+    @property
+    def ttft_slo_s(self) -> float:
+        """The default TTFT SLO now."""
+        return self._base.ttft_slo_s
 
     @property
     def tbt_slo_s(self) -> float:

@@ -6,6 +6,7 @@
     conductorctl drain decode-0 --wait                      # stop routing to an instance
     conductorctl undrain decode-0
     conductorctl slo --ttft-ms 2000 --tbt-ms 100            # default SLOs (0/omitted: unchanged)
+    conductorctl policy --policy kv_centric --disaggregate auto   # routing (omitted: unchanged)
     conductorctl prewarm --file prompt.txt [--instance ID ...]
     conductorctl index                                      # the global KV index
     conductorctl tenants                                    # tenants' limits and use
@@ -155,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time between tokens")
     s.add_argument("--model", default="", help="model name (default: the served model)")
 
+    s = add("policy", help="set the routing policy (an omitted value stays unchanged; none: "
+                           "show them)")
+    s.add_argument("--policy", default="", metavar="NAME",
+                   help="kv_centric, cache_aware, least_loaded, round_robin or random")
+    s.add_argument("--disaggregate", default="", choices=("auto", "always", "never"),
+                   help="when kv_centric computes a prompt on a prefill instance")
+
     s = add("prewarm",
                        help="prefill a shared prefix into the pool ahead of its traffic")
     src = s.add_mutually_exclusive_group(required=True)
@@ -248,6 +256,9 @@ def _request(args: argparse.Namespace) -> tuple[str, object, bool]:
     if cmd == "slo":
         req = admin_pb2.SetSLORequest(ttft_ms=args.ttft_ms, tbt_ms=args.tbt_ms, model=args.model)
         return "SetSLO", req, False
+    if cmd == "policy":
+        req = admin_pb2.SetPolicyRequest(policy=args.policy, disaggregate=args.disaggregate)
+        return "SetPolicy", req, False
     if cmd == "prewarm":
         req = admin_pb2.PrewarmRequest(instances=args.instance, cache_salt=args.cache_salt)
         if args.token_ids is not None:
@@ -358,6 +369,10 @@ def _fmt_slo(r: admin_pb2.SetSLOReply) -> str:
     return _keys([("model", r.model), ("ttft_ms", f"{r.ttft_ms:g}"), ("tbt_ms", f"{r.tbt_ms:g}")])
 
 
+def _fmt_policy(r: admin_pb2.PolicyReply) -> str:
+    return _keys([("policy", r.policy), ("disaggregate", r.disaggregate)])
+
+
 def _fmt_prewarm(r: admin_pb2.PrewarmReply) -> str:
     return _keys([
         ("prompt_tokens", r.prompt_tokens), ("blocks", r.blocks),
@@ -411,7 +426,8 @@ def _fmt_tenant(t: admin_pb2.TenantStatus) -> str:
 
 _FORMATTERS: dict[str, Callable[..., str]] = {
     "ListInstances": _fmt_instances, "ResizePool": _fmt_resize, "Drain": _fmt_drain,
-    "Undrain": _fmt_drain, "SetSLO": _fmt_slo, "Prewarm": _fmt_prewarm,
+    "Undrain": _fmt_drain, "SetSLO": _fmt_slo, "SetPolicy": _fmt_policy,
+    "Prewarm": _fmt_prewarm,
     "IndexStats": _fmt_index, "ListTenants": _fmt_tenants, "SetTenantLimits": _fmt_tenant,
 }
 

@@ -13,6 +13,8 @@
 #                             (KVCLUSTER_ETCD_ACCESS's): copy that directory to every node.
 #                             The root password is in $KVCLUSTER_STATE_DIR/etcd-root.pw.
 # Other nodes then use KVCLUSTER_ETCD=<node A>:2379. Shared settings: deploy/common.sh.
+# History is compacted hourly: the conductors rewrite their fitted models every
+# KVCLUSTER_CONDUCTOR_CONTROL_MODELS_S (30 s), which would otherwise fill etcd's quota.
 source "$(dirname "$0")/common.sh"
 need_python
 PORT="${KVCLUSTER_ETCD_PORT:-2379}"
@@ -45,7 +47,8 @@ start_once etcd "$BIN" --name kvcluster-etcd --data-dir "$DATA" \
   --listen-peer-urls "$PEER_SCHEME://$HOST:$PEER_PORT" \
   --initial-advertise-peer-urls "$PEER_SCHEME://$ADVERTISE_HOST:$PEER_PORT" \
   --initial-cluster "kvcluster-etcd=$PEER_SCHEME://$ADVERTISE_HOST:$PEER_PORT" \
-  --initial-cluster-state new "${TLS_ARGS[@]}"
+  --initial-cluster-state new "${TLS_ARGS[@]}" \
+  --auto-compaction-mode periodic --auto-compaction-retention 1h
 if [ "$SECURE" = 1 ] && [ ! -f "$ETCD_ACCESS" ]; then
   "$PY" -m cluster.etcd_auth --endpoint "$ADVERTISE_HOST:$PORT" --tls-dir "$TLS" \
     --out "$(dirname "$ETCD_ACCESS")"

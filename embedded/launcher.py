@@ -264,6 +264,7 @@ class EmbeddedCluster:
         self.etcd = EtcdServer(client_port=s.etcd_port or None,
                                data_dir=self.run_dir / "etcd",
                                log_path=self.run_dir / "etcd.log").start()
+        self._fresh_control_state()
         self.master = StoreMaster(rpc_port=s.store_rpc_port or None,
                                   http_port=s.store_metadata_port or None,
                                   log_path=self.run_dir / "mooncake_master.log",
@@ -279,6 +280,19 @@ class EmbeddedCluster:
         for engine in s.shape.engines:
             self.start_worker(engine.role, engine)
         self.start_conductor()
+
+    def _fresh_control_state(self) -> None:
+        """A new cluster starts from its configuration: the control state an earlier one left
+        in this run directory's etcd (drains, SLOs, fitted models) is deleted. A conductor that
+        restarts within this cluster's life keeps it (`conductor.control_state`)."""
+        from conductor.config import parse_args
+
+        assert self.etcd is not None
+        prefix = parse_args(["--model", self.spec.model, "--etcd", self.etcd.endpoint,
+                             *self.spec.conductor_args]).control_prefix
+        deleted = self.etcd.delete_prefix(prefix)
+        if deleted:
+            log.info("control_state_cleared", prefix=prefix, records=deleted)
 
     def start_worker(self, role: str, engine: shape.Engine | None = None) -> WorkerProcess:
         """One worker; `engine`: its placement (cores, threads), else unbound."""

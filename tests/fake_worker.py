@@ -301,7 +301,7 @@ class LocalConductor:
                  impostors: tuple[str, ...] = (), tls_dir: str = "",
                  overrides: dict[str, dict] | None = None,
                  strangers: tuple[InstanceInfo, ...] = (), etcd: str = "",
-                 lease_ttl: int = 3) -> None:
+                 lease_ttl: int = 3, prefix: str = "") -> None:
         self.model_dir = model_dir
         self.tls_dir = tls_dir
         """The worker plane's TLS files (`cluster.plane_tls`): workers serve TLS only."""
@@ -320,7 +320,9 @@ class LocalConductor:
         leases of `lease_ttl` s, under `prefix`) and the conductor watches it; strangers are
         then the test's to put. Empty: a membership the test changes (`put_member`)."""
         self.lease_ttl = lease_ttl
-        self.prefix = f"/kvcluster-test/{uuid.uuid4().hex[:8]}/instances/"
+        self.prefix = prefix or f"/kvcluster-test/{uuid.uuid4().hex[:8]}/instances/"
+        """The membership prefix (a fresh one unless given: another conductor's, to serve
+        its workers as a second replica, `roles=()`); the control state sits beside it."""
         self.registrations: dict[str, Registration] = {}
         self.max_model_len = max_model_len
         """What the fake workers announce as their engines' context (0: unknown)."""
@@ -365,6 +367,18 @@ class LocalConductor:
 
         assert self._loop is not None
         asyncio.run_coroutine_threadsafe(change(), self._loop).result(timeout=10)
+
+    def call(self, fn):
+        """`fn()` on the conductor's event loop (its state belongs to that loop); its result."""
+        async def run():
+            return fn()
+
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout=30)
+
+    @property
+    def conductor(self):
+        return self.app.state.conductor
 
     def worker(self, role: str) -> FakeWorker:
         return self.workers[f"{role}-0"]

@@ -71,6 +71,11 @@ class FakeAdmin(admin_pb2_grpc.AdminServicer):
                                      ttft_ms=request.ttft_ms or 30000,
                                      tbt_ms=request.tbt_ms or 300)
 
+    def SetPolicy(self, request, context):
+        self._check("SetPolicy", request, context)
+        return admin_pb2.PolicyReply(policy=request.policy or "kv_centric",
+                                     disaggregate=request.disaggregate or "auto")
+
     def Prewarm(self, request, context):
         self._check("Prewarm", request, context)
         n = len(request.token_ids) or len(request.prompt.split())
@@ -186,6 +191,17 @@ def test_slo_sends_values(admin, capsys):
     assert (req.ttft_ms, req.tbt_ms, req.model) == (0, 50, "m")
 
 
+def test_policy_sends_what_is_given_and_shows_the_reply(admin, capsys):
+    assert ctl.main(["policy", "--policy", "least_loaded"]) == 0
+    _, req = admin.calls[-1]
+    assert (req.policy, req.disaggregate) == ("least_loaded", "")
+    assert capsys.readouterr().out.split() == ["policy:", "least_loaded", "disaggregate:",
+                                               "auto"]
+    assert ctl.main(["policy"]) == 0  # nothing to change: shows them
+    _, req = admin.calls[-1]
+    assert (req.policy, req.disaggregate) == ("", "")
+
+
 def test_prewarm_file_text_ids(admin, capsys, tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("a shared system prompt\nwith two lines\n")
@@ -266,6 +282,7 @@ def test_unreachable_address(capsys, monkeypatch):
     ["prewarm", "--text", "a", "--file", "b"],
     ["prewarm", "--token-ids", "1,x"],
     ["slo", "--ttft-ms", "-5"],
+    ["policy", "--disaggregate", "sometimes"],
     ["instances", "--token", "abc"],
 ])
 def test_bad_arguments_exit_2(argv, capsys):

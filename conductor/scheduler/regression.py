@@ -31,20 +31,44 @@ observation's whole misfit at f ~ 50; the 1,450-fold move above costs 840 of the
 slowdown of the machine (every term, every observation) remains a fit."""
 
 
+Row = tuple[tuple[float, ...], float, float]
+"""One observation as it travels between processes: (features, seconds, the wall-clock time it
+was taken). The wall time names it: the same timing merged twice is kept once."""
+
+
 class Observations:
-    """The last `capacity` (features, seconds, when) rows: memory is bounded."""
+    """The last `capacity` (features, seconds, when, wall time) rows: memory is bounded."""
 
     def __init__(self, capacity: int = 256, half_life_s: float = HALF_LIFE_S) -> None:
-        self._rows: deque[tuple[tuple[float, ...], float, float]] = deque(maxlen=capacity)
+        self._rows: deque[tuple[tuple[float, ...], float, float, float]] = deque(maxlen=capacity)
         self.added = 0
+        """Rows added here (`add`), not merged from elsewhere."""
         self.half_life_s = half_life_s
 
-    def add(self, features: Sequence[float], seconds: float, at: float) -> None:
-        self._rows.append((tuple(features), seconds, at))
+    def add(self, features: Sequence[float], seconds: float, at: float,
+            wall: float | None = None) -> None:
+        self._rows.append((tuple(features), seconds, at, time.time() if wall is None else wall))
         self.added += 1
 
     def __len__(self) -> int:
         return len(self._rows)
+
+    def export(self) -> tuple[Row, ...]:
+        """The rows, oldest first, as they travel (`Row`)."""
+        return tuple((f, s, wall) for f, s, _, wall in self._rows)
+
+    def merge(self, rows: Sequence[Row], now: float, wall_now: float) -> int:
+        """Take `rows` (as `export` gives them) beside these: each row once, the newest
+        `capacity` kept; a row's age is its wall-clock age (`wall_now - wall`) from `now` on.
+        Returns how many rows are new here."""
+        have = {(f, s, wall) for f, s, _, wall in self._rows}
+        new = [(tuple(f), s, now - max(wall_now - wall, 0.0), wall) for f, s, wall in rows
+               if (tuple(f), s, wall) not in have]
+        if new:
+            merged = sorted([*self._rows, *new], key=lambda r: r[3])
+            self._rows = deque(merged[-self._rows.maxlen:] if self._rows.maxlen else merged,
+                               maxlen=self._rows.maxlen)
+        return len(new)
 
     def fit(self, prior: Sequence[float], now: float,
             prior_weight: float = 0.25) -> tuple[float, ...]:
@@ -94,7 +118,17 @@ class Fitter(Generic[M]):
 
     @property
     def observations(self) -> int:
+        """Observations made here (`add`), not merged from elsewhere."""
         return self._obs.added
+
+    @property
+    def fitted_at(self) -> float:
+        """When the model was last fitted (the clock `now` is given in)."""
+        return self._fitted_at
+
+    def rows(self) -> tuple[Row, ...]:
+        """What the model is fitted from, as it travels (`Observations.export`)."""
+        return self._obs.export()
 
     def add(self, features: Sequence[float], seconds: float, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -102,9 +136,26 @@ class Fitter(Generic[M]):
         if self._obs.added % self._every == 0 or self._obs.added <= 2:
             self._refit(now)
 
+    def adopt(self, model: M, rows: Sequence[Row], now: float, wall_now: float,
+              fitted_wall: float | None = None) -> bool:
+        """Take another fitter's model and rows (another process's, or this one's before a
+        restart), `model` fitted at wall-clock time `fitted_wall` (None: now). Rows new here
+        are merged; when the rows are then exactly `rows`, `model` is taken as it is, as
+        fitted then (`refresh` refits it once it is `REFRESH_S` old, as its own fitter
+        would), else the model is refitted from all of them now. False when nothing was
+        new."""
+        if not self._obs.merge(rows, now, wall_now):
+            return False
+        if set(self._obs.export()) == {(tuple(f), s, w) for f, s, w in rows}:
+            age = 0.0 if fitted_wall is None else max(wall_now - fitted_wall, 0.0)
+            self.model, self._fitted_at = model, now - age
+        else:
+            self._refit(now)
+        return True
+
     def refresh(self, now: float) -> None:
         """Refit for the observations' ages (a model nothing new confirms returns to the prior)."""
-        if self._obs.added and now - self._fitted_at >= REFRESH_S:
+        if len(self._obs) and now - self._fitted_at >= REFRESH_S:
             self._refit(now)
 
     def _refit(self, now: float) -> None:
