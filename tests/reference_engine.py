@@ -1,9 +1,15 @@
 """A standalone vLLM engine, no connector, no disaggregation: the reference the cluster's output
 must equal. Reads {"model", "block_size", "max_model_len", "dtype", "prompts": [[ids...]],
-"max_tokens", optional "runner_up": true} as JSON on stdin; writes [{"token_ids", "logprobs"
-(, "runner_up": [[token, logprob] per position])}] on the stdout line that starts with
+"max_tokens", optional "runner_up": true, optional "threads": N} as JSON on stdin; writes
+[{"token_ids", "logprobs" (, "runner_up": [[token, logprob] per position])}] on the stdout
+line that starts with
 "RESULT " (vLLM logs to stdout too). The runner-up tells an exact tie (two tokens of equal
-logit, which float noise may order either way) from a real difference."""
+logit, which float noise may order either way) from a real difference.
+
+"threads" sets the engine's OpenMP threads (else the environment's): the reference must compute
+with as many threads as the engines it is compared with, because on some CPUs (AVX2-only ones)
+float32 GEMM results move in the last bits with the thread count; at equal threads, batching
+and a cached prefix change nothing (docs/design.md, "Exact comparisons")."""
 
 from __future__ import annotations
 
@@ -16,6 +22,8 @@ import tempfile
 def main() -> None:
     job = json.loads(sys.stdin.read())
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    if job.get("threads"):
+        os.environ["OMP_NUM_THREADS"] = str(int(job["threads"]))
     # vLLM's socket files (`cluster.process.IPC_ENV`) and its engine core's torch.distributed
     # store file (in the temporary directory; an eager engine compiles nothing there): ours
     with tempfile.TemporaryDirectory(prefix="kvcluster-ref-") as scratch:

@@ -70,12 +70,16 @@ def build_requests(n: int, seed: int, vocab: int) -> list[Req]:
 
 
 def reference(model: str, prompts: list[tuple[int, ...]], run_dir: Path,
-              max_tokens: int = MAX_TOKENS[1]) -> dict:
+              max_tokens: int = MAX_TOKENS[1], threads: int | None = None) -> dict:
     """prompt -> {"token_ids", "logprobs"} (`max_tokens` tokens; greedy, so a shorter
     request's output is a prefix), from one standalone engine. Cached in the run dir per
-    prompt, under a hash of the model and engine settings: a rerun computes only new prompts."""
+    prompt, under a hash of the model and engine settings: a rerun computes only new prompts.
+    `threads`: the engine's OpenMP threads, those of the engines compared with it
+    (tests/reference_engine.py says why)."""
     job = {"model": model, "block_size": BLOCK_SIZE, "max_model_len": MAX_MODEL_LEN,
            "dtype": DTYPE, "max_tokens": max_tokens, "runner_up": True}
+    if threads:
+        job["threads"] = threads
     key = hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()[:16]
     cache = run_dir / f"reference-{key}.json"
 

@@ -22,7 +22,7 @@ from benchmarks.chaos.report import scrape
 from benchmarks.chaos.traffic import Req, Result, _compare, build_requests, reference, run_one
 from store.block_hash import block_hashes, block_key
 from tests.hosts import net
-from tests.hosts.cluster import Cluster
+from tests.hosts.cluster import ENGINE_THREADS, Cluster
 
 MOONCAKE_LISTEN = re.compile(r"Transfer Engine RPC .*listening on \S+:(\d+)|"
                              r"TcpTransport: listen on port (\d+)")
@@ -73,7 +73,8 @@ class Checks:
                          for r in build_requests(flap_requests, 11, self.vocab)]
             prompts = list(dict.fromkeys([*self.prompts.values(), *(r.prompt for r in self.flap)]))
             assert all(len(p) + LONG <= MAX_MODEL_LEN for p in prompts)
-            self.refs = reference(self.cluster.model, prompts, self.run_dir, max_tokens=LONG)
+            self.refs = reference(self.cluster.model, prompts, self.run_dir, max_tokens=LONG,
+                                  threads=ENGINE_THREADS)
         except Exception as e:  # reported by the step that joins this thread
             self.reference_error = f"{type(e).__name__}: {e}"
 

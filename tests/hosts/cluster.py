@@ -24,6 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 PORT = 8000
 ADMIN = "127.0.0.1:8001"
+ENGINE_THREADS = 1
+"""OpenMP threads of every engine, and of the reference engine they are compared with exactly."""
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,7 @@ class Cluster:
                     VLLM_RPC_BASE_PATH=own, KVCLUSTER_DIST_DIR=own,
                     KVCLUSTER_KV_CACHE_BYTES=str(self.kv_cache_bytes),
                     KVCLUSTER_WORKER_ENGINE_CPUS=w.cpus, VLLM_CPU_OMP_THREADS_BIND=w.cpus,
-                    OMP_NUM_THREADS="1", KVCLUSTER_WORKER_DTYPE=DTYPE)
+                    OMP_NUM_THREADS=str(ENGINE_THREADS), KVCLUSTER_WORKER_DTYPE=DTYPE)
 
     def remove_socket_dirs(self) -> None:
         """Once every worker is gone."""
