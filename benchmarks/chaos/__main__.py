@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks import chaos
+from benchmarks.chaos import tenants
 from benchmarks.chaos.config import (
     BLOCK_SIZE,
     CLASSES,
@@ -52,6 +53,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "which reject with 429 when this machine is slow)")
     p.add_argument("--lease-ttl", type=float, default=3.0)
     p.add_argument("--health-interval", type=float, default=0.5)
+    p.add_argument("--tenant-requests", type=int, default=24,
+                   help="interactive requests in each run of the tenant flood, after the "
+                        "faults (0: no tenant flood)")
+    p.add_argument("--tenant-gap-s", type=float, default=1.5,
+                   help="seconds between the tenant flood's interactive requests")
     a = p.parse_args(argv)
     a.fault_list = [f for f in a.faults.split(",") if f]
     bad = set(a.fault_list) - set(FAULTS)
@@ -59,6 +65,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"unknown faults {sorted(bad)}; known: {FAULTS}")
     if a.requests < 1 or a.concurrency < 1:
         p.error("--requests and --concurrency must be positive")
+    if a.tenant_requests < 0 or a.tenant_gap_s <= 0:
+        p.error("--tenant-requests must be >= 0 and --tenant-gap-s positive")
     return a
 
 
@@ -85,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
 
     vocab = Tokenizer(model).vocab_size
     reqs = build_requests(args.requests, args.seed, vocab)
-    distinct = list(dict.fromkeys(r.prompt for r in reqs))
+    flood = tenants.plan(run_dir, args.tenant_requests, args.seed, vocab) \
+        if args.tenant_requests else None
+    distinct = list(dict.fromkeys([*(r.prompt for r in reqs),
+                                   *(flood.prompts() if flood else ())]))
     refs = reference(model, distinct, run_dir)
 
     stop_on_signals()
@@ -94,18 +105,23 @@ def main(argv: list[str] | None = None) -> int:
     faults = args.fault_list
     at = [int(n * (k + 1) / (len(faults) + 1.5)) for k in range(len(faults))]
     cluster_dir = run_dir / time.strftime("cluster-%Y%m%dT%H%M%S")
+    # the operator's SLOs: a request's own only tighten them
+    slo = ("--ttft-slo-s", str(args.slo_ms / 1e3), "--tbt-slo-s", str(args.slo_ms / 1e3)) \
+        if args.slo_ms > 0 else ()
     spec = ClusterSpec(model=model, prefill=2, decode=2, http_port=0, run_dir=str(cluster_dir),
                        block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, dtype=DTYPE,
                        kv_cache_bytes=256 << 20, pool_segment_bytes=256 << 20,
                        lease_ttl=args.lease_ttl, admin_port=0,
                        conductor_args=("--health-interval-s", str(args.health_interval),
-                                       "--stall-timeout-s", str(STALL_TIMEOUT_S)))
+                                       "--stall-timeout-s", str(STALL_TIMEOUT_S), *slo,
+                                       *(flood.conductor_args if flood else ())))
     cluster = EmbeddedCluster(spec)
     admin: Admin | None = None
     chaos: Chaos | None = None
     pool: ThreadPoolExecutor | None = None
     results: list[Result] = []
     metrics: dict = {}
+    flooded: dict | None = None
     t_traffic = time.monotonic()
     try:
         print(f"starting the cluster: 2 prefill + 2 decode (logs in {cluster_dir}) ...",
@@ -124,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         chaos.thread.start()
         # a connection per request: a pooled one the server closed while idle would show as
         # a reset that no fault caused
-        client = httpx.Client(limits=httpx.Limits(max_connections=args.concurrency + 4,
-                                                  max_keepalive_connections=0))
+        client = tenants.client(flood.keys["ops"], args.concurrency) if flood else \
+            httpx.Client(limits=httpx.Limits(max_connections=args.concurrency + 4,
+                                             max_keepalive_connections=0))
         slots = threading.Semaphore(args.concurrency)
         lock = threading.Lock()
         tally: Counter[str] = Counter()
@@ -158,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         for ev in chaos.recovered:  # every fault fired and recovered (the thread stays)
             ev.wait()
         metrics = scrape(cluster.url)
+        if flood is not None:
+            flooded = tenants.run(cluster.url, flood, refs, args.tenant_gap_s, args.deadline_s,
+                                  args.slo_ms)
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the cluster ...", flush=True)
         if chaos is not None:
@@ -183,16 +203,20 @@ def main(argv: list[str] | None = None) -> int:
     log = Path(cluster_dir, "conductor.log")
     stalled = silenced(log.read_text(errors="replace")) if log.exists() else 0
     summary = summarize(results, chaos, metrics, args, elapsed, stalled)
+    summary["tenant_flood"] = flooded
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=1) + "\n")
     print_summary(summary)
+    if flooded is not None:
+        tenants.print_summary(flooded)
     print(f"\nJSON: {out}")
     c = summary["classes"]
     fallbacks = summary["fallbacks_total"] + summary["retries_total"]
     print(f"chaos total={summary['total']} ok={c['ok']} clean_errors={c['clean_error']} "
           f"hung={c['hung']} lost={c['lost']} wrong={c['wrong']} "
-          f"migrated={summary['migrated']} fallbacks={fallbacks} stalled={stalled}", flush=True)
+          f"migrated={summary['migrated']} fallbacks={fallbacks} stalled={stalled} "
+          f"tenant_isolation={flooded['tenant_isolation'] if flooded else 'none'}", flush=True)
     return 0
 
 

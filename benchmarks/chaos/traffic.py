@@ -136,6 +136,9 @@ class Result:
     logprob_drift: float = 0.0
     """Largest |logprob - reference| over the tokens that match the reference."""
     decode_instance: str = ""
+    refusal: str = ""
+    """A 429's `Retry-After` and `x-kvcluster-reason` headers ("<seconds>/<reason>"; "" when
+    either is missing)."""
     tie_at: int | None = None
     """ok by an exact tie: at this position the reference's best and runner-up tokens had
     equal logprobs (within TIE_EPS) and this output took the runner-up; greedy output past a
@@ -207,6 +210,7 @@ def run_one(client: httpx.Client, url: str, req: Req, ref: dict, deadline_s: flo
         if not req.stream:
             r = client.post(f"{url}/v1/completions", json=body, timeout=timeout)
             res.status = r.status_code
+            _refusal(res, r)
             try:
                 payload = r.json()
             except ValueError:
@@ -241,6 +245,12 @@ def run_one(client: httpx.Client, url: str, req: Req, ref: dict, deadline_s: flo
     return res
 
 
+def _refusal(res: Result, r: httpx.Response) -> None:
+    after, reason = r.headers.get("retry-after", ""), r.headers.get("x-kvcluster-reason", "")
+    if r.status_code == 429 and after and reason:
+        res.refusal = f"{after}/{reason}"
+
+
 def _stream(client: httpx.Client, url: str, body: dict, req: Req, ref: dict, res: Result,
             timeout: httpx.Timeout, t0: float, deadline_s: float) -> None:
     ids: list[int] = []
@@ -250,6 +260,7 @@ def _stream(client: httpx.Client, url: str, body: dict, req: Req, ref: dict, res
     bad_events: list[str] = []
     with client.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as r:
         res.status = r.status_code
+        _refusal(res, r)
         if r.status_code != 200:
             r.read()
             try:
