@@ -47,8 +47,9 @@ model: install
 run: install
 	$(PY) -m embedded --port $(PORT) $(if $(MODEL),--model $(MODEL)) $(ARGS)
 
+# The 25 slowest tests close the output: where make test's time goes.
 test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=25 $(PYTEST_ARGS)
 
 # The tests that start no vLLM engine and wait out no real outage (unit tests, the fakes, real
 # etcd and Mooncake): under a minute here.
