@@ -14,9 +14,10 @@ core each (docs/design.md, "Where the processes run on a CPU", has the figures).
   cores (at least one), each bound to cores of its own, so that engines never fight either.
   On a machine of up to `SIDE_ENGINE_MAX_CORES` cores, a side engine on the serving cores as
   well, at normal priority, its steps beside streams held to the same time: under an open
-  load of long prompts one engine on one core of two queues them all, and the conductor prices the side engine's tokens a TBT slower each
-  (`SchedulerParams.side_cost`), so it gets the prompts the other's queue would hold longer
-  and short answers, the lone long stream the engine with a core of its own. The conductor
+  load of long prompts one engine on one core of two queues them all, and the conductor
+  prices the side engine's tokens a TBT slower each (`SchedulerParams.side_cost`), so it gets
+  the prompts the other's queue would hold longer and short answers, the lone long stream the
+  engine with a core of its own. The conductor
   then runs on the main engine's core, which its compute thread yields while it waits for a
   step (`Shape.conductor_cpus`).
 

@@ -4,8 +4,9 @@ Ctrl-C: used by `make run`'s launcher, `make test-hosts` and the benchmarks.
 Python's default for SIGTERM ends the process without running `finally` blocks, so the
 clusters and `vllm serve` processes a benchmark started would outlive it: its direct children
 die with it (`cluster.process`'s parent-death signal), but their own children, vLLM's engine
-cores, do not, and go on taking the cores of whatever runs next. SIGINT is set too: a process started with SIGINT ignored (as
-background jobs and some test runners start children) would otherwise never see Ctrl-C."""
+cores, do not, and go on taking the cores of whatever runs next. SIGINT is set too: a process
+started with SIGINT ignored (as background jobs and some test runners start children) would
+otherwise never see Ctrl-C."""
 
 from __future__ import annotations
 

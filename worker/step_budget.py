@@ -29,7 +29,8 @@ delays that prompt's first token, and the packed prompt, unfinished, is no soone
 fills whatever budget a finishing prompt leaves, so a cold prompt's last couple of hundred
 tokens would share a 2,048-token step with the next prompt's and take five times as long
 (docs/design.md, "The step that finishes a prompt carries no other prompt's chunk"). A waiting
-prompt still joins such a step when its tokens cost less than a step's fixed cost (`StepCost.rides_along`): a second step would cost it more."""
+prompt still joins such a step when its tokens cost less than a step's fixed cost
+(`StepCost.rides_along`): a second step would cost it more."""
 
 from __future__ import annotations
 
