@@ -41,8 +41,8 @@ may not exceed 107 bytes."""
 DIST_ENV = "KVCLUSTER_DIST_DIR"
 """Where the engine core of one of our vLLM engines makes torch.distributed's rendezvous file
 (`worker.vllm_plugin`); vLLM's own place, the temporary directory, keeps every one of an engine
-killed or stopped by a signal (4 a cluster of 4 engines here). Set beside `IPC_ENV`, to the
-same directory."""
+killed or stopped by a signal (one per engine of every cluster stopped that way). Set beside
+`IPC_ENV`, to the same directory."""
 
 _SETPRIV = shutil.which("setpriv")
 _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
