@@ -13,8 +13,8 @@ which fires when the *thread* that forked it exits, so etcd started from a short
 (e.g. `asyncio.to_thread` at executor shutdown) is killed with that thread.
 
 A start whose child dies of a signal is retried (a real fork from a process whose gRPC is
-busy once aborted a few percent of children before they exec'd; ManagedProcess no longer
-forks that way, see cluster/process.py).
+busy can abort a few percent of children before they exec; ManagedProcess does not fork that
+way, see cluster/process.py).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ beyond loopback after all: the embedded cluster checks its processes with it onc
 Only for hosts in `LOOPBACK`: a server meant to be reached from other hosts (`deploy/`
 beyond loopback) keeps its wildcard binds. With the shim goes `MC_TCP_BIND_ADDRESS`: a
 transfer engine otherwise tells its peers to reach it at the machine's first LAN address
-(measured: eth0's 192.0.2.2 here), where nothing listens once it is bound to loopback.
+(eth0's, say), where nothing listens once it is bound to loopback.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ A child is started as the leader of a process group of its own so that `stop()`/
 reach its own children too (vLLM's engine core), and through `setpriv --pdeathsig KILL` so
 that it dies with its parent. In the parent's session, not a new one: Linux's scheduler
 shares the CPU out between sessions first (autogroups), so with every child a session of its
-own, two engines computing on two cores starved the conductor, the worker front ends, the
-store and the load generator for 0.25-7 s at a time (`make bench-serve`, pd arm, one to five
-times a run; none since, and engines at niceness 10 in sessions of their own still had them).
+own, two engines computing on two cores starve the conductor, the worker front ends, the
+store and the load generator for seconds at a time, even at niceness 10 (docs/design.md,
+"Children are process groups in the launcher's session").
 No `preexec_fn`: that forces a real fork(), and gRPC's fork handlers then abort children
 of a process with RPCs in flight.
 
@@ -41,8 +41,8 @@ may not exceed 107 bytes."""
 DIST_ENV = "KVCLUSTER_DIST_DIR"
 """Where the engine core of one of our vLLM engines makes torch.distributed's rendezvous file
 (`worker.vllm_plugin`); vLLM's own place, the temporary directory, keeps every one of an engine
-killed or stopped by a signal (4 a cluster of 4 engines here). Set beside `IPC_ENV`, to the
-same directory."""
+killed or stopped by a signal (one per engine of every cluster stopped that way). Set beside
+`IPC_ENV`, to the same directory."""
 
 _SETPRIV = shutil.which("setpriv")
 _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")

@@ -1,24 +1,23 @@
 """The embedded cluster's shape: how many engines in which roles, and which cores each computes
 on, for the machine it runs on (`choose`), or as the operator asked.
 
-Measured on a 2-core machine (docs/benchmarks.md, `make bench-serve`): engines that share
-cores time-slice them, so a prefill on one stalls the streams of the other, and one engine
-with every core serves a tiny model's requests faster than two with one core each. So:
+Engines that share cores time-slice them, so a prefill on one stalls the streams of the
+other, and one engine with every core serves a tiny model's requests faster than two with one
+core each (docs/design.md, "Where the processes run on a CPU", has the figures). So:
 
 - GPUs: one engine per GPU, each in the `both` role; the conductor's policy disaggregates a
   request (prefill on one, decode on another) where its models say that pays.
 - CPU: one core left to the serving processes (the conductor, each worker's front end:
   gRPC, detokenizing; etcd, the store master), as vLLM's CPU guide advises for its own front
   end: an engine's OpenMP threads meet at a barrier every step, so one thread preempted by a
-  front end stalls the whole step (measured here: 5.4 ms per output token with the engine on
-  both cores, 4.4 ms on one). Then one `both` engine per `CORES_PER_ENGINE` of the other
+  front end stalls the whole step. Then one `both` engine per `CORES_PER_ENGINE` of the other
   cores (at least one), each bound to cores of its own, so that engines never fight either.
   On a machine of up to `SIDE_ENGINE_MAX_CORES` cores, a side engine on the serving cores as
   well, at normal priority, its steps beside streams held to the same time: under an open
-  load of long prompts one engine on one core of two queues them all (`make bench-e2e`'s
-  trace: TTFT p50 3 s), and the conductor prices the side engine's tokens a TBT slower each
-  (`SchedulerParams.side_cost`), so it gets the prompts the other's queue would hold longer
-  and short answers, the lone long stream the engine with a core of its own. The conductor
+  load of long prompts one engine on one core of two queues them all, and the conductor
+  prices the side engine's tokens a TBT slower each (`SchedulerParams.side_cost`), so it gets
+  the prompts the other's queue would hold longer and short answers, the lone long stream the
+  engine with a core of its own. The conductor
   then runs on the main engine's core, which its compute thread yields while it waits for a
   step (`Shape.conductor_cpus`).
 
@@ -65,22 +64,22 @@ RESERVED_CORES = 1
 """Cores kept for the serving processes when there is more than one."""
 CORES_PER_ENGINE = 8
 """CPU cores per engine when the shape is chosen: fewer engines with more threads each, since
-a second engine only pays once the first has cores it cannot use well (not measured beyond
-this machine's 2 cores; override with --both N)."""
+a second engine only pays once the first has cores it cannot use well (chosen on 2 cores,
+not measured beyond; override with --both N)."""
 STEP_TOKENS_PER_THREAD = 256
 """Prompt tokens a CPU engine that decodes computes per step and OpenMP thread at no context
 beside streams until it has timed a step of its own (`Engine.step_tokens`,
 `Engine.step_context`); from then on `step_target_ms` sets it."""
 STEP_CONTEXT_TOKENS = 2000
-"""The context at which a CPU engine's step budget is halved (`worker.step_budget`): measured
-1,940 for the bench-e2e model in bfloat16 on one core (a token there costs twice one at none)."""
+"""The context at which a CPU engine's step budget is halved (`worker.step_budget`): about
+where a prompt token costs twice one at none (the benchmark model in bfloat16 on one core)."""
 STEP_SLO_SHARE = 0.5
 """How long a step that carries streams' tokens may take with a prompt chunk beside them, as a
 share of the conductor's TBT SLO (`step_target_ms`; the engine learns what that buys in tokens
 from its own steps, `worker.step_budget`): half, so that a stream's gaps stay within the SLO
-with the decode-only steps between. On the AMX Xeon of 2026-11-26 a 256-token step at a
-prompt's start took 45-49 ms (`STEP_TOKENS_PER_THREAD`): half of bench-e2e's TBT SLO (100 ms at
-the 90th percentile of a request's gaps)."""
+with the decode-only steps between. `STEP_TOKENS_PER_THREAD` is about such a step at a
+prompt's start on a CPU with AMX for the TBT SLO of `make bench-e2e` (100 ms at the 90th
+percentile of a request's gaps)."""
 
 
 def step_target_ms(tbt_slo_s: float) -> float:
@@ -92,16 +91,13 @@ def step_target_ms(tbt_slo_s: float) -> float:
 SIDE_ENGINE_MAX_CORES = 4
 """Up to this many cores the chosen shape adds a side engine on the serving cores: there
 they are a large share of the machine's compute (half of it on 2 cores), left idle by the
-serving processes most of the time. Measured on 2 cores only (`make bench-e2e`, trace
-workload, goodput over vllm-router P/D's: 0.63 without it in run 3, 1.28 with it; `make
-bench-serve` unchanged, the side engine decoding 0-3 of 128 requests); on more cores the
+serving processes most of the time. Chosen on 2 cores only (docs/design.md, "A side engine
+on the serving core, up to 4 cores"); on more cores the
 serving core is a small share and the serving processes' own load grows with the engines."""
 SIDE_STEP_TOKENS_PER_THREAD = 128
 """The side engine's step budget until it has timed a step (`STEP_TOKENS_PER_THREAD`): half the
-others', since it computes between the serving processes' turns on its core (in float32,
-with 128 its streams' p90 token gap passed 100 ms under the trace workload's long prompts: 5
-of 48 requests; with 64, none of its own; in bfloat16 128, with the budget shrinking as the
-context grows, `STEP_CONTEXT_TOKENS`)."""
+others', since it computes between the serving processes' turns on its core; it shrinks with
+the context as theirs does (`STEP_CONTEXT_TOKENS`)."""
 
 
 @dataclass(frozen=True)
@@ -117,29 +113,26 @@ class Engine:
     """Whether its vLLM processes may busy-wait between steps as vLLM does (1 s): only on a
     GPU. On CPU only the engine's OpenMP threads are bound; its engine-core process floats
     over every core, the serving core too, where a second of spinning after each step starves
-    the conductor and the worker front ends (measured with `make bench-serve`: 10-19 of 60
-    first tokens held 100-930 ms on their way to the conductor; none with a 10 ms spin)."""
+    the conductor and the worker front ends and holds first tokens back on their way out; a
+    10 ms spin does not (docs/design.md, "The engine core among the serving processes")."""
     engine_core_cpus: str = ""
     """Where its engine-core process (vLLM's scheduler) runs, when not beside its model worker
     on `cpu_bind`: the serving cores, for an engine whose cores are its own. Its model
     worker's compute thread then has its core alone and busy-waits for the next step as vLLM
     does (1 s), while the engine core, among the serving processes, waits 10 ms at most. The
-    two together, not either alone: measured with the step times of the engine core
-    (`make bench-serve`'s prefix dataset, `auto`, one run each, decode steps of one request,
-    median): both processes on the engine's core 3.6-4.0 ms (the engine core's spinning
-    takes turns with the compute on one core; the worker spinning too: 3.9), the engine core
-    on the serving core alone 4.0, both changes 2.7-2.9; a plain `vllm serve`, which places
-    its processes the same way, 2.4."""
+    two together, not either alone, bring its decode steps near those of a plain `vllm serve`,
+    which places its processes the same way: beside its model worker, the engine core's
+    spinning takes turns with the compute on one core (docs/design.md, "The engine core among
+    the serving processes")."""
     background: bool = False
     """Whether its vLLM processes (engine core, model worker; not its front end) run at
     `SCHED_IDLE` (`worker/vllm_plugin.py`): set for prefill engines on cores the serving
     processes share. At the same priority a prefill (20-50 ms of compute) holds up the
     front ends and the conductor, and every token of the decode's streams waits; at
-    `SCHED_IDLE` the kernel counts the core as idle for them. Measured with `make
-    bench-serve`, pd arm, with the serving processes on the prefill's core and the decode's
-    engine processes on its own: TPOT 5.0-5.2 ms, TTFT 32-48 ms; the prefill at normal
-    priority 5.9 and 39-52 (one run each). Alone (every process floating) it changed
-    nothing beyond the noise."""
+    `SCHED_IDLE` the kernel counts the core as idle for them. It pays with the serving
+    processes placed on the prefill's core and the decode's engine processes on their own;
+    with every process floating it changes nothing beyond the noise (docs/design.md,
+    "Prefill engines sharing the serving core run at `SCHED_IDLE`")."""
     side: bool = False
     """Whether it computes on the serving cores at normal priority (the chosen shape's side
     engine, `SIDE_ENGINE_MAX_CORES`): registered (`InstanceInfo.side`), so that the policy
@@ -153,39 +146,17 @@ class Engine:
     `step_context` a step with no stream gets vLLM's where that is larger,
     `worker.step_budget`; without, every step gets this one, `--max-num-batched-tokens`): set
     for CPU engines that decode, so that a prompt is prefilled in chunks between the token
-    steps of the streams it shares the engine with. One core prefills the benchmark model
-    (25.7M parameters) at ~0.4 ms a token (`make bench-e2e`'s model; 128 tokens 53 ms, 2048
-    in 940 ms, one step each; chunked by 256, 2% slower in all), so vLLM's default budget
-    holds every stream ~1 s whenever a 2048-token prompt arrives, ten times a 100 ms TBT SLO;
-    `STEP_TOKENS_PER_THREAD` keeps a chunk near half of that. Its price is one step more
-    per chunk (a few ms each here): with `make bench-serve` (2026-11-26, 2 repetitions, the
-    random dataset's 256-token prompts in two steps) TTFT p50 36.6-41.2 ms against 30.7-32.0
-    without a budget (`--step-tokens 0`), 1.49x plain vLLM against 1.22x; bench-e2e's
-    goodput on long prompts under load is what it buys (docs/benchmarks.md). vLLM's
-    `long_prefill_token_threshold` (the cap only while other requests share the engine)
-    with a budget of twice the chunk did not win it back (36 ms, 1.40x); nor, against the
-    token gaps of the streams beside a long prompt (a 128-token chunk at a 2,000-token
-    context takes ~90 ms), does it at half the budget: two prompts then share each step,
-    both prefilled at half speed, the step as long as before (`make bench-e2e`, 2026-11-26
-    09:40, shared_prefix gaps of 107-138 ms, trace goodput 0.87x vllm-router P/D's against
-    1.13x without). Those figures are float32's; in bfloat16 (the engines' default since
-    2026-11-26, `worker.dtype`) a 128-token step of that model takes 26-33 ms at a prompt's
-    start and 54 ms at 3,400 tokens of context (62 and 142 in float32, one core, compiled),
-    a 256-token one 45-49 ms at the start: so 256 a thread since, shrinking with the context
-    (`step_context`). Measured with `make bench-e2e`'s arms 1 and 2 (2 repetitions against
-    run 6's 3, 2026-11-26 13:52): arm 1's TTFT p99 1.04-1.21 s on shared_prefix against
-    1.36-2.41, 1.51-1.68 on the trace against 1.54-2.67, 0.30-0.54 on low_reuse against
-    0.58-0.96, TBT p99 43-50 ms against 51-82, every request served within its SLOs. A model
-    ten times larger prefills ten times slower per token, and a CPU without AMX several times
-    slower: since 2026-11-26 22:54 this is only the budget until the engine has timed a step
-    of its own, then what fits `step_target_ms` (on the AMD EPYC the project moved to that
-    day, steps beside streams took 80-118 ms on average: in bench-e2e, 1 of 24 shared_prefix
-    requests and 1-4 of 24 of the trace's missed the TBT SLO in each of 3 repetitions; in
-    time none did, but 2-3 of the trace's missed the TTFT SLO instead, their prompts computed
-    in smaller chunks: docs/benchmarks.md, "After run 8"). Where no stream runs, a step
-    takes vLLM's budget (a cold 2,252-token prompt in 265 + 66 ms on one core against 662 ms
-    in the streams' steps; `make bench-e2e` A/B of 2026-11-26 19:54: arm 1's TTFT p99 0.63 s
-    against 1.15 on shared_prefix, 0.80 against 1.60 on the trace, token gaps shorter)."""
+    steps of the streams it shares the engine with: unchunked, vLLM's default budget holds
+    every stream for the whole prefill of a long prompt (about a second for 2,048 tokens of
+    the benchmark model on one core, ten times a 100 ms TBT SLO). Its price is one step more
+    per chunk, each with its fixed cost. vLLM's `long_prefill_token_threshold` (the cap only
+    while other requests share the engine) is no substitute: two long prompts then share each
+    step, both prefilled at half speed, the step as long as before. A model ten times larger
+    prefills ten times slower per token, and a CPU without AMX several times slower, so with a
+    `step_context` this is only the budget until the engine has timed a step of its own, then
+    what fits `step_target_ms`, fewer tokens as the context grows. Where no stream runs, a step
+    takes vLLM's budget: fewer steps finish a lone prompt sooner. The figures are in
+    docs/design.md, "Steps on a CPU engine"."""
 
 
 @dataclass(frozen=True)
@@ -197,24 +168,19 @@ class Shape:
     started on: those no engine computes on but a background one; "" = anywhere. Each bound
     engine's model worker stays on its own cores (the worker's `--engine-cpus`), its engine
     core on these (`Engine.engine_core_cpus`). Left to themselves, an engine-core process
-    floated to whichever core was free and spun there, and the serving processes floated
-    onto the engines' cores: measured with `make bench-serve`, pd arm, the decode engine's
-    compute thread waited for its core 10.6% of the time (2.7% alone there, 10% beside its
-    own engine core, which yields to it); later token gaps 5.5-5.7 ms, 3.9-4.3 (3
-    repetitions each)."""
+    floats to whichever core is free and spins there, and the serving processes float onto
+    the engines' cores, whose compute threads then wait for them and stretch every token gap
+    (docs/design.md, "A core for the serving processes")."""
 
     conductor_cpus: str = ""
     """Where the conductor runs, when not on `serving_cpus`: the chosen shape with a side
     engine puts it on the main engine's cores. There the engine's compute thread busy-waits
     for its next step and yields the core (`sched_yield`) to whatever wakes on it, so the
     conductor finds it free while its request waits on the engine; on the serving core it
-    queued behind the worker front ends, the engine cores and the side engine. Measured on
-    2 cores only (`benchmarks/e2e/overhead.py`, the added latency of a 1-token request,
-    medians of 40 pairs, alternating on one start): 0.83-0.96 ms there (one round 2.66)
-    against 2.75-3.64 on the serving core. Under `make bench-e2e`'s load (docs/benchmarks.md,
-    session 25) token gaps and goodput unchanged beyond the spread; under `make
-    bench-serve`'s 4 requests/s, first tokens 1.7-5 ms sooner and token gaps 0.1-0.5 ms
-    longer (its per-token work now beside the engine's), one run each. "": `serving_cpus`."""
+    queued behind the worker front ends, the engine cores and the side engine. There a
+    request's added latency is a third of what it is on the serving core, its token gaps a
+    little longer (its per-token work beside the engine's); chosen on 2 cores only
+    (docs/design.md, "The conductor on the main engine's core"). "": `serving_cpus`."""
 
     @property
     def conductor_home(self) -> str:

@@ -2,11 +2,11 @@
 Ctrl-C: used by `make run`'s launcher, `make test-hosts` and the benchmarks.
 
 Python's default for SIGTERM ends the process without running `finally` blocks, so the
-clusters and `vllm serve` processes a benchmark started outlived it: its direct children die
-with it (`cluster.process`'s parent-death signal), but their own children, vLLM's engine
-cores, did not, and went on taking the cores of whatever ran next (seen 2026-11-26 after a
-`pkill` of `make bench-serve`). SIGINT is set too: a process started with SIGINT ignored (as
-background jobs and some test runners start children) would otherwise never see Ctrl-C."""
+clusters and `vllm serve` processes a benchmark started would outlive it: its direct children
+die with it (`cluster.process`'s parent-death signal), but their own children, vLLM's engine
+cores, do not, and go on taking the cores of whatever runs next. SIGINT is set too: a process
+started with SIGINT ignored (as background jobs and some test runners start children) would
+otherwise never see Ctrl-C."""
 
 from __future__ import annotations
 

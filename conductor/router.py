@@ -52,8 +52,8 @@ def kv_block_bytes(model_dir: str, block_size: int, dtype: str | None = None) ->
 SPEED_MIN_TOKENS = 256
 """Prefills computing fewer tokens do not count towards their instance's speed: their time is
 mostly a step's fixed costs (and the decode steps a `both` engine interleaves), which a speed
-factor would spread over every token of the next long prompt (measured, bench-e2e's trace:
-93-token prefills at 6x the model made a `both` engine's predictions 10x too long)."""
+factor would spread over every token of the next long prompt, making a `both` engine's
+predictions many times too long (docs/design.md, "Each instance has a prefill speed")."""
 
 
 @dataclass
@@ -332,7 +332,7 @@ class Dispatch:
         # prefix computed; its queue is priced); in the pool and a disaggregated route's
         # decode instance only once the prefill is done (`first_token`, `prefill_done`).
         # Predicted there at once, a prompt of a prefix still being computed was priced as a
-        # pool hit on another engine, which then computed it all again (bench-e2e run 7).
+        # pool hit on another engine, which then computed it all again (docs/design.md).
         idx.predict(self.prefill.instance_id, self.block_hashes, now)
         c = self.router.counters
         c.routed += 1
@@ -383,8 +383,8 @@ class Dispatch:
         other prefill was in flight there (prompts sent after it wait for it: its engine
         finishes one prompt before packing the next, `worker.step_budget.finish_first`), else
         from the instance's previous completion. Untimed, the model of an arm that computes
-        most prompts where they decode stayed at its prior, and predicted a quarter of what
-        cold prompts took (bench-e2e run 11)."""
+        most prompts where they decode would stay at its prior, far below what cold prompts
+        take on a CPU."""
         now = time.monotonic()
         self._first_token_at = self._last_token_at = now
         if self._prefill_open:  # prefilled by the decode instance itself, saving it now
@@ -410,8 +410,8 @@ class Dispatch:
         prediction is a batch or a wait, not a service time: `prefill_model.plausible`). One
         of a prefill that ran alone and computed `SPEED_MIN_TOKENS` or more also joins the
         instance's speed: short ones time a step's overheads, and inter-departure times on
-        engines sharing cores measured up to 20x the model (bench-e2e's 2P+2D arm), which
-        the queue then counted again."""
+        engines sharing cores can be many times the model, which the queue then counted
+        again."""
         iid = self.prefill.instance_id
         if iid not in self.router.warm:
             self.router.warm.add(iid)

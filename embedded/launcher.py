@@ -70,9 +70,9 @@ class ClusterSpec(EngineSpec):
     pool_shm: bool = True
     """Workers exchange KV through one standalone `mooncake_client` on this machine (shared
     memory, memcpy) instead of each contributing a TCP segment: on one host the memcpy path
-    is the faster one (bench-kv), and Mooncake's TCP transfers between busy engine
-    processes stalled for the pool's 5 s timeout here (a burst of 1,800-token prompts on two
-    cores: the reading decode and the writing prefill engine both stopped for ~5 s)."""
+    is the faster one (`make bench-kv`), and Mooncake's TCP transfers between busy engine
+    processes can stall for the pool's 5 s timeout under a burst (docs/design.md, "On one
+    host, shared memory, not TCP")."""
     conductor_args: tuple[str, ...] = ()
     step_target_ms: float = field(init=False, default=0.0)
     """How long its engines' steps beside streams may take: a share of the TBT SLO the

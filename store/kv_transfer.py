@@ -198,7 +198,7 @@ class KVTransfer:
         of that many blocks, one contiguous range per object, and are scattered into the cache
         by numpy (one vectorized copy per layer piece and batch). Not zero-copy, but Mooncake's
         TCP transport moves one range per object instead of one per layer piece, which is what
-        limits it with small pieces (see docs/benchmarks.md). 0: straight into the cache.
+        limits it with small pieces (docs/design.md, "Moving KV"). 0: straight into the cache.
         `checksum`: every object carries its block's digest, verified on load
         (`store.checksum`; host memory only)."""
         if checksum and layout.device != "cpu":

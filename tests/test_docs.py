@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import ast
+import io
 import re
 import shutil
 import subprocess
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -87,3 +89,56 @@ def test_every_relative_link_in_the_readme_and_docs_resolves() -> None:
             elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, broken
+
+
+PRODUCT = ("conductor", "worker", "prefill_worker", "decode_worker", "store", "cluster",
+           "embedded", "protos", "conductorctl", "tinymodel", "deploy")
+"""The packages whose docstrings and comments state what is (docs/design.md keeps what happened)."""
+_MONTH = (r"(?:Jan(?:uary)?|Feb(?:ruary)?|Mar(?:ch)?|Apr(?:il)?|May|June?|July?|Aug(?:ust)?"
+          r"|Sep(?:t(?:ember)?)?|Oct(?:ober)?|Nov(?:ember)?|Dec(?:ember)?)\b\.?")
+HISTORY = re.compile("|".join((
+    r"\b20[2-3]\d-(?:0[1-9]|1[0-2])(?:-\d\d)?\b",  # 2026-11-26, 2026-11
+    rf"\b{_MONTH} (?:\d{{1,2}}(?:st|nd|rd|th)?,? )?20[2-3]\d\b",  # Nov 26, 2026; November 2026
+    rf"\b\d{{1,2}} {_MONTH} 20[2-3]\d\b",  # 26 Nov 2026
+    r"\b(?:run|session|edition)s? \d+\b",  # run 7, session 25, runs 1-8
+    r"\bbench-[\w-]+(?:'s)? (?:run|A/B|edition)",  # a bench-e2e run
+    r"\bA/B\b",
+    r"\b(?:Xeon|EPYC)\b",  # the machines the benchmarks ran on
+    r"\bmeasured here\b",
+)), re.I)
+
+
+def _python_prose(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every comment and docstring (a string standing as a statement)."""
+    source = path.read_text()
+    found = [(t.start[0], t.string) for t in tokenize.generate_tokens(io.StringIO(source).readline)
+             if t.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)):
+            lines = node.value.value.split("\n")
+            found += [(node.lineno + i, line) for i, line in enumerate(lines)]
+    return found
+
+
+def _hash_comments(path: Path, marker: str) -> list[tuple[int, str]]:
+    """(line, text) of every comment in a .proto (`//`) or shell (`#`) file."""
+    lines = path.read_text().splitlines()
+    return [(n, line[line.index(marker):]) for n, line in enumerate(lines, 1) if marker in line]
+
+
+def test_product_docstrings_and_comments_name_no_dates_runs_or_machines() -> None:
+    """Product code says what is: measurements, their dates and the benchmark runs behind them
+    live in docs/design.md, once, as they stand today."""
+    found = []
+    for package in PRODUCT:
+        assert (ROOT / package).is_dir(), package
+        for path in sorted((ROOT / package).rglob("*")):
+            if "_pb2" in path.name or not path.is_file():
+                continue
+            prose = (_python_prose(path) if path.suffix == ".py"
+                     else _hash_comments(path, "//") if path.suffix == ".proto"
+                     else _hash_comments(path, "#") if path.suffix == ".sh" else [])
+            found += [f"{path.relative_to(ROOT)}:{n}: {m.group(0)!r} in {text.strip()[:80]!r}"
+                      for n, text in prose for m in HISTORY.finditer(text)]
+    assert not found, "\n".join(found)

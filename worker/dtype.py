@@ -5,10 +5,9 @@ and every engine of a cluster, ours or a benchmark's `vllm serve`, computes in t
 The rule is vLLM's for "auto" (`vllm.config.model._resolve_auto_dtype`): a float32
 checkpoint, or one that names no dtype, runs in the platform's preferred type (bfloat16 on an
 x86 CPU with AVX-512 or AMX, and on a GPU that has it); a 16-bit checkpoint in its own type
-where the platform supports it. Measured here (2026-11-26, the bench-e2e model, one core, a
-3,500-token prompt in 128-token steps, compiled): a step took 62-142 ms in float32 and 26-54
-ms in bfloat16 (AMX). The cluster ran float32 until then, 2.4 times slower than a plain
-`vllm serve` of the same checkpoint started with its defaults."""
+where the platform supports it. Run in float32 instead, a CPU engine with bfloat16 support
+steps more than twice as slowly as a plain `vllm serve` of the same checkpoint started with its
+defaults (docs/design.md, "The engines compute in the dtype `vllm serve` picks")."""
 
 from __future__ import annotations
 

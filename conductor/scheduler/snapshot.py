@@ -17,10 +17,10 @@ from conductor.scheduler.prefill_model import PrefillTimeModel
 BESIDE_PRIOR = 1.4
 """A prompt's time beside streams decoding on the same engine over its time alone, until the
 engine has timed one (`InstanceLoad.prefill_speed_beside`): its steps carry the streams'
-tokens too, and a step budget cuts the prompt into more steps. bench-e2e run 12, cold prompts
-on one CPU core: 1.22-1.31x on an engine of its own, 1.47-1.64x on the side engine (which has
-half the step budget); those timed at dispatch with the engine's learned speed alone did not
-learn it before the first burst of cold prompts (a short run's first, 1.48x)."""
+tokens too, and a step budget cuts the prompt into more steps. Between the ratios of a CPU
+engine with a core of its own and of the side engine, which has half the step budget
+(docs/design.md, "A speed apart for prompts beside streams"); priced at its speed alone, an
+engine's first burst of cold prompts would be priced too fast before it had timed one."""
 
 
 def beside_speed(alone: float, beside: float | None) -> float:
@@ -84,8 +84,8 @@ class InstanceLoad:
         """A prefill the fitted model puts at `model_s`, computed here from `start`: at its
         speed beside streams for as long as streams of its own are predicted to decode (the
         last of `finishes`), at its speed alone after. Priced beside streams whole, a long
-        prompt queued behind streams about to end was predicted at 5.2 s and refused (bench-e2e
-        run 13, trace), where it would have taken ~3.5."""
+        prompt queued behind streams about to end would be predicted too slow and refused
+        where it would have met its SLO."""
         alone = model_s * self.prefill_speed
         overlap = self.finishes[-1] - start if self.finishes else 0.0
         if overlap <= 0.0:
@@ -129,13 +129,11 @@ class SchedulerParams:
     processes' cores, `InstanceLoad.side`) costs this many times its time; a local route
     there (prefill and decode) costs one predicted TBT more per output token whatever this is:
     its compute takes turns with the processes that carry every stream's tokens (its own
-    streams' too: a TPOT of 5.2 ms there against 2.6, `make bench-serve`), which its speed,
-    probed on an idle core, does not show. With neither (no TBT term), lone requests went to
-    it whenever its probe came out faster; the TBT term alone keeps them off it (`make
-    bench-serve`, 2026-11-26 09:52: 0-3 of 128 decoded there, TPOT 1.24x plain's). A
-    multiplier on top (2, until then) kept the trace's bursts of long prompts queued on the
-    dedicated engine (`make bench-e2e`, trace, goodput over vllm-router P/D's in the same
-    hour: 0.88 with 2, 1.13 with 1; docs/benchmarks.md, run 5)."""
+    streams' too: about twice the token gaps of the engine with a core of its own), which
+    its speed, probed on an idle core, does not show. Without the TBT term lone requests go to
+    it whenever its probe comes out faster; with it they stay off it. A multiplier above 1
+    keeps bursts of long prompts queued on the dedicated engine instead (docs/design.md, "A
+    side engine on the serving core")."""
     cache_threshold: float = 0.3
     """cache_aware (SGLang): imbalanced when max-min load > balance_abs and max > balance_rel
     * min; otherwise the best match wins if it covers more than cache_threshold of the prompt."""

@@ -114,8 +114,8 @@ class InFlight:
     master may be hung, and more calls would only pile up behind it. Except when the call
     needed only the master and a fresh call to the master has answered since (`watch`): then
     it is stuck on its own connection, typically a reply lost in a network outage that waits
-    for its sender's TCP retransmission, seconds after the network is back (measured here: 4.3
-    s after a 9 s outage), and it stops holding the pool. It stays in `running`."""
+    for its sender's TCP retransmission, seconds after the network is back (docs/design.md,
+    "Failures"), and it stops holding the pool. It stays in `running`."""
 
     def __init__(self, name: str) -> None:
         self.name = name
