@@ -95,6 +95,9 @@ class Instance:
     arriving: int = 0
     """Requests whose KV is on its way here from their prefill instance."""
     busy_s: float = 0.0
+    steps: int = 0
+    step_s: float = 0.0
+    """Decode steps run, and their seconds."""
 
     @property
     def busy(self) -> bool:

@@ -24,6 +24,7 @@ from conductor.scheduler import (
     LoadState,
     Policy,
     Reject,
+    Route,
     RouteRequest,
     SchedulerParams,
     loadable_blocks,
@@ -114,13 +115,16 @@ class Simulation:
             self.schedule(r.arrival_s, ARRIVE, i)
         while self.events and not self.aborted:
             self.now, _, kind, what = heapq.heappop(self.events)
-            if kind == ARRIVE:
-                self.arrive(what)  # type: ignore[arg-type]
-            elif kind == DONE:
-                self.done(what)  # type: ignore[arg-type]
-            else:
-                self.join(what)  # type: ignore[arg-type]
+            self.handle(kind, what)
         return sorted(self.results, key=lambda r: r.index)
+
+    def handle(self, kind: int, what: object) -> None:
+        if kind == ARRIVE:
+            self.arrive(what)  # type: ignore[arg-type]
+        elif kind == DONE:
+            self.done(what)  # type: ignore[arg-type]
+        else:
+            self.join(what)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ routing
 
@@ -134,10 +138,7 @@ class Simulation:
             self.on_arrival()
         r, now = self.trace[i], self.now
         hashes = block_hashes(r, self.profile.block_size)
-        self.index.expire(now)
-        req = RouteRequest(r.input_length, hashes, self.index.match(hashes), r.output_length,
-                           i + 1)
-        decision = self.policy(self.snapshot(), req)
+        decision = self.route(i, hashes)
         if decision is None or isinstance(decision, Reject):
             self.results.append(RequestResult(i, r.arrival_s, r.input_length, r.output_length,
                                               rejected=True))
@@ -147,15 +148,37 @@ class Simulation:
         job = Job(f"r{i}", i, r, hashes, decision, p, d)
         p.load.add_prefill(job.rid, r.input_length, decision.uncached_tokens,
                            decision.prefill_s, now)
-        d.load.add_decode(job.rid, r.input_length, now + decision.predicted_ttft_s
-                          + r.output_length * decision.predicted_tbt_s)
-        self.index.predict(p.iid, hashes, now)
-        if self.spec.use_pool:
-            self.index.predict(POOL, hashes, now)
-        if decision.disaggregated:
-            self.index.predict(d.iid, hashes, now)
+        d.load.add_decode(job.rid, r.input_length, self.finish_at(job))
+        self.expect(job)
         p.queue.append(job)
         self.kick(p)
+
+    def route(self, i: int, hashes: tuple[int, ...]) -> Route | Reject | None:
+        """The policy's decision for request `i`, from the conductor's view now."""
+        r = self.trace[i]
+        self.index.expire(self.now)
+        req = RouteRequest(r.input_length, hashes, self.index.match(hashes), r.output_length,
+                           i + 1)
+        return self.policy(self.snapshot(), req)
+
+    def finish_at(self, job: Job) -> float:
+        """When the conductor predicts, at dispatch (now), the job's last token."""
+        return self.now + job.route.predicted_ttft_s \
+            + job.req.output_length * job.route.predicted_tbt_s
+
+    def expected(self, job: Job) -> list[str]:
+        """Where a dispatched job's blocks will be: the index's predicted locations."""
+        names = [job.prefill.iid]
+        if self.spec.use_pool:
+            names.append(POOL)
+        if job.route.disaggregated:
+            names.append(job.decode.iid)
+        return names
+
+    def expect(self, job: Job) -> None:
+        """Predict the dispatched job's blocks in the index."""
+        for name in self.expected(job):
+            self.index.predict(name, job.hashes, self.now)
 
     # ------------------------------------------------------------------ executors
 
@@ -170,6 +193,8 @@ class Simulation:
         elif inst.batch:
             inst.stepping = list(inst.batch)
             seconds = self.profile.tbt.predict(len(inst.batch), inst.kv_tokens)
+            inst.steps += 1
+            inst.step_s += seconds
         else:
             return
         inst.busy_s += seconds
