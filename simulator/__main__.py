@@ -5,7 +5,10 @@ exhaustive sweep (`simulator.comparison`). Results into results/sim/, a summary 
 
 `python -m simulator plan --trace T --instances N --ttft-slo S --tbt-slo S`: the planner
 (`simulator.planner`): the best prefill/decode split (or colocated) and every candidate's
-capacity."""
+capacity.
+
+`python -m simulator replicas --trace T`: N conductor replicas, each seeing the others'
+dispatches one sync period late (`simulator.replicas`), against one conductor."""
 
 from __future__ import annotations
 
@@ -24,15 +27,23 @@ from simulator.cluster import ClusterSpec
 from simulator.comparison import DEFAULT_ARMS, Options
 from simulator.planner import Plan
 from simulator.profile import load_profile
+from simulator.replicas import SPREADS
 from simulator.report import (
     metrics_rows,
     plot_capacity,
     plot_lines,
+    plot_replicas,
     plot_ttft_cdf,
     summarize,
     write_rows,
 )
-from simulator.sweeps import capacity_sweep, load_runs, reuse_traces, run_policy
+from simulator.sweeps import (
+    capacity_sweep,
+    load_runs,
+    replica_sweep,
+    reuse_traces,
+    run_policy,
+)
 from simulator.trace import ideal_hit_ratio, load_trace, time_scaled
 
 DEFAULT_TRACE = "../shared/traces/mooncake_synthetic_trace.jsonl"
@@ -254,9 +265,64 @@ def plan_main(argv: list[str]) -> str:
             f"capacity_rps={pl.best_rps:.3f} runs={pl.runs} cpu_s={pl.cpu_s:.1f}")
 
 
+def _periods(text: str) -> list[float | None]:
+    return [None if x == "step" else float(x) for x in text.split(",") if x]
+
+
+def replicas_main(argv: list[str]) -> str:
+    """`python -m simulator replicas`: every replica count x sync period against one
+    conductor into `--out` (replicas.{json,csv}, replicas.png), a summary as last line."""
+    ap = argparse.ArgumentParser(prog="python -m simulator replicas",
+                                 description=__doc__.split("\n\n")[-1])
+    ap.add_argument("--trace", default=DEFAULT_TRACE)
+    ap.add_argument("--profile", default="paper_llama2_70b",
+                    help="a name in simulator/profiles/ or a JSON path")
+    ap.add_argument("--prefill", type=int, default=8)
+    ap.add_argument("--decode", type=int, default=4)
+    ap.add_argument("--scale", type=float, default=1.0, help="arrival-rate factor")
+    ap.add_argument("--ttft-slo", type=float, default=30.0)
+    ap.add_argument("--tbt-slo", type=float, default=0.1)
+    ap.add_argument("--policy", default="kv_centric", help="a conductor policy")
+    ap.add_argument("--replicas", default="1,2,4,8")
+    ap.add_argument("--periods", type=_periods, default=_periods("0.01,step,0.05,0.1,0.5,1"),
+                    help="sync periods in seconds; step: one report per decode step (the "
+                         "one-conductor run's mean step)")
+    ap.add_argument("--spread", choices=SPREADS, default="round_robin",
+                    help="how the load balancer spreads requests over the replicas")
+    ap.add_argument("--limit", type=int, default=None, help="first N requests only")
+    ap.add_argument("--out", default="results/sim-replicas")
+    a = ap.parse_args(argv)
+    trace = time_scaled(load_trace(a.trace, a.limit), a.scale)
+    name = Path(a.trace).stem
+    spec = ClusterSpec(prefill=a.prefill, decode=a.decode, ttft_slo_s=a.ttft_slo,
+                       tbt_slo_s=a.tbt_slo)
+    counts = [int(x) for x in a.replicas.split(",") if x]
+    bar = tqdm(total=(1 + len(counts) * len(a.periods)) * len(trace), unit="req",
+               desc="replicas", mininterval=0.5)
+    rows = replica_sweep(trace, load_profile(a.profile), spec, counts, a.periods, a.policy,
+                         a.spread, bar.update)
+    bar.close()
+    out = Path(a.out)
+    write_rows(rows, out / "replicas")
+    plot_replicas(rows, out / "replicas.png",
+                  f"{name} x{a.scale:g}, {a.prefill}P+{a.decode}D, {a.policy}, {a.spread}")
+    per_step = [r for r in rows if r["per_step"]]
+    fields = "".join(f" r{r['replicas']}_ttft_p50_vs_one={r['ttft_p50_vs_one']:.3f}"
+                     f" r{r['replicas']}_hit_vs_one={r['hit_ratio_vs_one']:.3f}"
+                     for r in per_step)
+    ok = all(abs(r[k] - 1) <= 0.05 for r in per_step if r["replicas"] in (2, 4)
+             for k in ("ttft_p50_vs_one", "hit_ratio_vs_one"))
+    step = f"{per_step[0]['sync_period_s']:.4f}" if per_step else "nan"
+    return (f"sim-replicas trace={name} scale={a.scale:g} one_ttft_p50_s="
+            f"{rows[0]['ttft_p50_s']:.4f} one_hit_ratio={rows[0]['hit_ratio']:.4f} "
+            f"step_period_s={step}{fields} within_5pct={str(ok and bool(per_step)).lower()}")
+
+
 def cli(argv: list[str]) -> str:
     if argv and argv[0] == "plan":
         return plan_main(argv[1:])
+    if argv and argv[0] == "replicas":
+        return replicas_main(argv[1:])
     return main(argv)
 
 

@@ -158,13 +158,41 @@ def plot_capacity(rows: Sequence[dict], path: Path, title: str) -> None:
     _finish(plt, fig, ax, "", "capacity / kv_centric's", title, path)
 
 
-def _finish(plt, fig, ax, xlabel: str, ylabel: str, title: str, path: Path) -> None:
-    """Labels, legend and grid as every plot here has them; saved and closed."""
+def plot_replicas(rows: Sequence[dict], path: Path, title: str) -> None:
+    """TTFT p50 and hit ratio over one conductor's against the sync period (log scale), one
+    line per replica count, with the +-5% band and the per-step period marked."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(8.0, 3.2))
+    step = next((r["sync_period_s"] for r in rows if r["per_step"]), None)
+    for ax, key, ylabel in ((axes[0], "ttft_p50_vs_one", "TTFT p50 / one conductor's"),
+                            (axes[1], "hit_ratio_vs_one", "hit ratio / one conductor's")):
+        for n in sorted({r["replicas"] for r in rows}):
+            pts = sorted((r["sync_period_s"], r[key]) for r in rows
+                         if r["replicas"] == n and r["sync_period_s"] > 0)
+            if pts:
+                xs, ys = zip(*pts, strict=True)
+                ax.plot(xs, ys, marker="o", ms=3, label=f"{n} replica{'s' * (n > 1)}")
+        for y in (0.95, 1.05):
+            ax.axhline(y, color="grey", ls=":", lw=1)
+        if step:
+            ax.axvline(step, color="grey", ls="--", lw=1, label="one report per step")
+        ax.set_xscale("log")
+        _finish(plt, fig, ax, "sync period (s)", ylabel, title if ax is axes[0] else "", None)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _finish(plt, fig, ax, xlabel: str, ylabel: str, title: str, path: Path | None) -> None:
+    """Labels, legend and grid as every plot here has them; saved and closed (unless no
+    `path`: one panel of several)."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
+    if path is None:
+        return
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

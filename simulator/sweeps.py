@@ -1,4 +1,5 @@
-"""Runs and sweeps: one policy over a trace, load (time scale), pool capacity, prefix reuse."""
+"""Runs and sweeps: one policy over a trace, load (time scale), pool capacity, prefix reuse,
+conductor replicas."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from simulator.peers import PEERS
 from simulator.peers import make as make_peer
 from simulator.pool import BlockCache
 from simulator.profile import LatencyProfile
+from simulator.replicas import ReplicatedSimulation
+from simulator.report import metrics_rows, summarize
 from simulator.trace import TraceRequest, block_hashes, thinned_reuse, time_scaled
 
 POOL_POLICIES = ("kv_centric",)
@@ -87,3 +90,28 @@ def load_runs(trace: list[TraceRequest], scales: Sequence[float]
 def reuse_traces(trace: list[TraceRequest], keeps: Sequence[float]
                  ) -> list[tuple[float, list[TraceRequest]]]:
     return [(k, thinned_reuse(trace, k)) for k in keeps]
+
+
+def replica_sweep(trace: list[TraceRequest], profile: LatencyProfile, spec: ClusterSpec,
+                  counts: Sequence[int], periods: Sequence[float | None],
+                  policy: str = "kv_centric", spread: str = "round_robin",
+                  tick: Callable[[], None] | None = None) -> list[dict]:
+    """One conductor (one replica, no sync period), then every replica count x sync period;
+    a period of None is one report per decode step, the first run's mean step. Every row
+    carries its TTFT p50/p90 and hit ratio over the first row's (`*_vs_one`)."""
+    use = replace(spec, use_pool=spec.use_pool and policy in POOL_POLICIES)
+    rows: list[dict] = []
+    step = 0.0
+    for n, period in [(1, 0.0)] + [(n, p) for p in periods for n in counts]:
+        sim = ReplicatedSimulation(trace, profile, use, make_policy(policy), n,
+                                   step if period is None else period, spread,
+                                   on_arrival=tick)
+        m = summarize(policy, sim.run(), spec.ttft_slo_s, spec.tbt_slo_s)
+        step = step or sim.mean_step_s()
+        row = metrics_rows([m], replicas=n, sync_period_s=sim.period,
+                           per_step=period is None, spread=spread)[0]
+        one = rows[0] if rows else row
+        for key in ("ttft_p50_s", "ttft_p90_s", "hit_ratio"):
+            row[f"{key.removesuffix('_s')}_vs_one"] = row[key] / one[key]
+        rows.append(row)
+    return rows
