@@ -139,5 +139,14 @@ SIM_ARGS ?=
 bench-sim: install
 	$(PY) -m simulator --trace $(TRACE) --out results/sim $(SIM_ARGS)
 
+# What conductor replicas cost: 1, 2, 4 and 8 replicas, each seeing the others' dispatches one
+# sync period late, against one conductor (docs/simulator.md#conductor-replicas), into
+# results/sim-replicas/. 25 runs, about 2.5 CPU-minutes. Last line: summary, with within_5pct
+# (2 and 4 replicas at one report per decode step). REPLICA_ARGS: e.g. --scale 1.5.
+REPLICA_ARGS ?=
+.PHONY: bench-sim-replicas
+bench-sim-replicas: install
+	$(PY) -m simulator replicas --trace $(TRACE) --out results/sim-replicas $(REPLICA_ARGS)
+
 clean:
 	rm -rf $(VENV) run .pytest_cache protos/*_pb2*.py protos/*_pb2.pyi
