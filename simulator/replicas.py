@@ -38,7 +38,7 @@ from conductor.scheduler import (
     RouteRequest,
 )
 from simulator.cluster import ClusterSpec, Job
-from simulator.engine import Simulation
+from simulator.engine import RequestResult, Simulation
 from simulator.profile import LatencyProfile
 from simulator.trace import TraceRequest
 
@@ -94,6 +94,9 @@ class Unacked:
 
 
 class ReplicatedSimulation(Simulation):
+    """The cluster run by `replicas` conductors as the module describes; request i is routed
+    by replica `replica_of[i]`."""
+
     def __init__(self, trace: list[TraceRequest], profile: LatencyProfile, spec: ClusterSpec,
                  policy: Policy, replicas: int = 1, sync_period_s: float = 0.0,
                  spread: str = "round_robin", seed: int = 1,
@@ -122,7 +125,7 @@ class ReplicatedSimulation(Simulation):
             [] for _ in range(replicas)]
         """Per replica, the predictions of the others' dispatches it has not had reported."""
 
-    def run(self):
+    def run(self) -> list[RequestResult]:
         if self.period > 0:
             self.schedule(self.period, SYNC, None)
         return super().run()
