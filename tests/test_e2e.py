@@ -60,7 +60,7 @@ def test_request_through_the_cluster_equals_a_single_engine(cluster, prompt_ids,
     choice = body["choices"][0]
     kv = body["kv_transfer"]
     # The prefill worker wrote every full block of the prompt, and the pool holds them.
-    assert kv["blocks_saved"] == full_blocks
+    assert kv["blocks_saved"] == full_blocks, body
     assert kv["blocks_in_pool"] == full_blocks
     # The decode engine computed only the tail: everything up to the last token's block
     # came from the pool, not from its own cache (it never saw this prompt).
