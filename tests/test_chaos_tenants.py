@@ -42,3 +42,21 @@ def test_goodput_is_good_answers_per_second_of_the_span():
     g = goodput([_res(start=0.0, end=2.0), _res(start=1.0, end=4.0), _res("wrong", end=3.0)])
     assert g["good"] == 2 and g["span_s"] == 4.0 and g["goodput_rps"] == 0.5
     assert g["classes"] == {"ok": 2, "wrong": 1}
+
+
+def test_the_chaos_run_counts_requests_retried_off_a_stalled_engine():
+    """`stalled_before_first`: retries (a failure before the first token) off the stopped
+    engine's instance; its migrations (after the first token), other instances' retries and
+    the retry budget's lines do not count."""
+    from benchmarks.chaos.__main__ import before_first
+
+    log = ("x [warning  ] retry  attempt=1 error=CANCELLED failed=decode-1 request_id=a "
+           "stage=decode\n"
+           "x [warning  ] retry  attempt=1 error=CANCELLED failed=decode-0 request_id=b "
+           "stage=decode\n"
+           "x [warning  ] stream_migrated  error=CANCELLED failed=decode-1 request_id=c\n"
+           "x [warning  ] retry_budget_spent  failed=decode-1 request_id=d\n"
+           "x [warning  ] retry  attempt=2 error=UNAVAILABLE failed=decode-1 request_id=e "
+           "stage=prefill\n")
+    assert before_first(log, ["decode-1"]) == 2
+    assert before_first(log, []) == 0

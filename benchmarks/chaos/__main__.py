@@ -79,6 +79,15 @@ def silenced(conductor_log: str) -> int:
     return conductor_log.count("decode_stalled") + cancelled
 
 
+RETRIED_FROM = re.compile(r"\bretry\b(?!_).*?\bfailed=([\w.-]+)")
+
+
+def before_first(conductor_log: str, instances: list[str]) -> int:
+    """Requests moved off `instances` before their first token: the conductor retries a
+    request that failed before it (`retry ... failed=<instance>`), and migrates one after it."""
+    return sum(m.group(1) in instances for m in RETRIED_FROM.finditer(conductor_log))
+
+
 def main(argv: list[str] | None = None) -> int:
     from cluster.logging import configure
     from conductor.tokenizer import Tokenizer
@@ -201,9 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.monotonic() - t_traffic
     results.sort(key=lambda r: r.index)
     log = Path(cluster_dir, "conductor.log")
-    stalled = silenced(log.read_text(errors="replace")) if log.exists() else 0
+    text = log.read_text(errors="replace") if log.exists() else ""
+    stalled = silenced(text)
+    stalled_first = before_first(text, chaos.stalled_engines)
     summary = summarize(results, chaos, metrics, args, elapsed, stalled)
     summary["tenant_flood"] = flooded
+    summary["stalled_before_first"] = stalled_first
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=1) + "\n")
@@ -216,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"chaos total={summary['total']} ok={c['ok']} clean_errors={c['clean_error']} "
           f"hung={c['hung']} lost={c['lost']} wrong={c['wrong']} "
           f"migrated={summary['migrated']} fallbacks={fallbacks} stalled={stalled} "
-          f"tenant_isolation={flooded['tenant_isolation'] if flooded else 'none'}", flush=True)
+          f"tenant_isolation={flooded['tenant_isolation'] if flooded else 'none'} "
+          f"stalled_before_first={stalled_first}", flush=True)
     return 0
 
 

@@ -17,13 +17,15 @@ LOGPROB_TOL = 1e-3
 diagnostic of a wrong KV prefix (the tiny model's greedy tokens seldom flip when an early
 block is wrong, its logprobs do), reported beside the classes, not one of them."""
 CLASSES = ("ok", "clean_error", "wrong", "hung", "lost")
-FAULTS = ("decode", "prefill", "store", "etcd", "stall_decode", "stall_store")
+FAULTS = ("decode", "prefill", "store", "etcd", "stall_decode", "stall_engine", "stall_store")
 STALL_TIMEOUT_S = 10.0
 """The conductor's inter-token deadline (`--stall-timeout-s`), set explicitly: derived, it
 would be 30x the requests' TBT SLO, which this run sets out of reach (`--slo-ms`)."""
 STALL_DECODE_S = 15.0
 """How long a decode worker stands still (SIGSTOP): past the inter-token deadline, so its
 streams move on."""
+STALL_ENGINE_AFTER_S = 3.0
+"""How long a decode engine's core stays stopped once the conductor shows it unhealthy."""
 STALL_STORE_S = 8.0
 """How long the Mooncake master stands still: past the pool's op timeout (5 s)."""
 DUPLICATE_EVERY = 5

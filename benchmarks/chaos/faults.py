@@ -10,8 +10,14 @@ import time
 
 import grpc
 import httpx
+import psutil
 
-from benchmarks.chaos.config import MEMBERSHIP_PREFIX, STALL_DECODE_S, STALL_STORE_S
+from benchmarks.chaos.config import (
+    MEMBERSHIP_PREFIX,
+    STALL_DECODE_S,
+    STALL_ENGINE_AFTER_S,
+    STALL_STORE_S,
+)
 from embedded import EmbeddedCluster
 from protos import admin_pb2, admin_pb2_grpc
 
@@ -51,6 +57,17 @@ def etcd_members(client_url: str, prefix: str = MEMBERSHIP_PREFIX) -> set[str]:
     except (httpx.HTTPError, ValueError):
         return set()
     return {base64.b64decode(kv["key"]).decode().removeprefix(prefix) for kv in kvs}
+
+
+def engine_core(worker_pid: int) -> int:
+    """The pid of the vLLM engine core process under a worker."""
+    for p in psutil.Process(worker_pid).children(recursive=True):
+        try:
+            if p.name().startswith("VLLM::EngineCore") or "EngineCore" in " ".join(p.cmdline()):
+                return p.pid
+        except psutil.Error:
+            continue
+    raise RuntimeError(f"no engine core under worker pid {worker_pid}")
 
 
 def wait_until(predicate, timeout: float, every: float = 0.25,
@@ -93,6 +110,8 @@ class Chaos:
         replacement workers under traffic."""
         self.timeline: list[dict] = []
         self.windows: list[dict] = []
+        self.stalled_engines: list[str] = []
+        """Instances whose engine core `stall_engine` stopped."""
         self.thread = threading.Thread(target=self._run, name="chaos", daemon=True)
 
     # the traffic side
@@ -222,6 +241,27 @@ class Chaos:
         ok = wait_until(lambda: iid in self.admin.serving(), 120, every=0.5, stop=self.stop)
         self.event("stall_decode", "recovered" if ok else "not_recovered",
                    f"{iid} serving after {time.monotonic() - t0:.1f}s")
+
+    def _stall_engine(self) -> None:
+        """The engine core alone stopped: the worker's front end answers its health checks
+        and calls, its engine holds work and does not step (`worker.progress`)."""
+        iid, load = self._pick("decode", "in_flight")
+        core = engine_core(self.cluster.workers[iid].process.pid)
+        os.kill(core, signal.SIGSTOP)
+        self.stalled_engines.append(iid)
+        self.event("stall_engine", "SIGSTOP", f"{iid}'s engine core pid {core} ({load})")
+        t0 = time.monotonic()
+        found = wait_until(lambda: iid not in self.admin.serving(), 60, every=0.1,
+                           stop=self.stop)
+        self.event("stall_engine", "shown_unhealthy" if found else "still_serving",
+                   f"{iid} after {time.monotonic() - t0:.1f}s")
+        self.stop.wait(STALL_ENGINE_AFTER_S)
+        os.kill(core, signal.SIGCONT)
+        self.event("stall_engine", "SIGCONT", iid)
+        t1 = time.monotonic()
+        ok = wait_until(lambda: iid in self.admin.serving(), 120, every=0.5, stop=self.stop)
+        self.event("stall_engine", "recovered" if ok else "not_recovered",
+                   f"{iid} serving after {time.monotonic() - t1:.1f}s")
 
     def _stall_store(self) -> None:
         master = self.cluster.master
