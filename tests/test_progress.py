@@ -44,7 +44,7 @@ def run(clock: Clock, p: Progress, seconds: float, unfinished: int = 1, step_s: 
 def warmed(clock: Clock, **kw) -> Progress:
     p = watch(clock, **kw)
     p.submitted()
-    for _ in range(4):
+    for _ in range(4):  # two to warm up, two timed
         clock.t += 0.02
         p.stepped(True)
     p.check(1)
@@ -110,8 +110,12 @@ def test_the_first_steps_after_start_are_not_judged():
     p.stepped(True)
     assert run(clock, p, 60.0) is None  # one step: still warming up
     p.stepped(True)
-    # the second step measured 60 s: that is the engine's speed as far as it is known
-    assert p.bound_s() == pytest.approx(600.0)
+    assert p.bound_s() == 3.0  # 60 s steps while warming up are not its speed
+    assert run(clock, p, 2.5) is None
+    p.stepped(True)  # the first step timed: 2.5 s
+    assert p.bound_s() == pytest.approx(25.0)
+    assert run(clock, p, 24.5) is None
+    assert run(clock, p, 1.0) is not None
 
 
 def test_a_late_check_judges_nothing():

@@ -12,8 +12,9 @@ The bound is `pool_wait_s + max(floor_s, factor * the longest of the last `windo
 a long prompt's chunked prefill is many steps, each as long as the engine's steps have been;
 a step may also wait for the pool up to its op timeout (`pool_wait_s`); a slower machine
 (a busy one) gives longer samples, and so a longer bound. The first `warmup_steps` steps
-after start are never judged (nothing is known of the engine's speed yet); a step that ends
-a stall is no sample (it measured the stall, not the engine). A check that runs late (its
+after start are neither judged (nothing is known of the engine's speed yet) nor samples
+(they compile and warm up: not the engine's speed); a step that ends a stall is no sample
+(it measured the stall, not the engine). A check that runs late (its
 event loop was blocked: the engine's outputs may be waiting unread) judges nothing.
 
 A step longer than `factor` times every step in the window, and than the floor, reads as a
@@ -70,7 +71,7 @@ class Progress:
         """The engine reported a step; `more`: it holds work after it."""
         now = self._clock()
         self.steps += 1
-        if self._owed is not None and self.stall is None:
+        if self._owed is not None and self.stall is None and self.steps > self.warmup_steps:
             self._samples.append(now - self._owed)
         self.stall = None
         self._owed = now if more else None
