@@ -377,6 +377,44 @@ def test_a_decode_instance_whose_engine_stalls_has_its_streams_moved_and_no_new_
             t.join(timeout=10)
 
 
+def test_every_call_of_a_stalled_instance_moves_whatever_the_retry_budget(model_dir):
+    """Six requests on one instance when its engine stalls, a retry budget of 3: all six
+    move (each once, off an instance no longer routed to), none is answered with the
+    failure."""
+    with LocalConductor(model_dir, roles=("prefill", "decode", "decode"),
+                        conductor_args=("--health-interval-s", "0.2", "--retry-budget", "0",
+                                        "--stall-timeout-s", "120")) as c:
+        gate = threading.Event()
+        c.workers["decode-0"].knobs = Knobs(continue_sequence=True, decode_gate=gate)
+        c.workers["decode-1"].knobs = Knobs(continue_sequence=True)
+        registry = c.conductor.registry
+        c.set_health("decode-1", health_pb2.HealthCheckResponse.NOT_SERVING)
+        wait_until(lambda: c.call(lambda: registry.get("decode-1").unhealthy), 10)
+        out: dict[int, httpx.Response] = {}
+        threads = [threading.Thread(target=lambda n=n: out.__setitem__(
+            n, complete(c.url, PROMPT + [n]))) for n in range(6)]
+        for t in threads:
+            t.start()
+        try:
+            wait_until(lambda: c.workers["decode-0"].counts.generates == 6, 10)
+            c.set_health("decode-1", health_pb2.HealthCheckResponse.SERVING)
+            wait_until(lambda: c.call(lambda: registry.get("decode-1").routable), 10)
+            c.set_health("decode-0", STALLED)
+            for t in threads:
+                t.join(timeout=25)
+            assert not any(t.is_alive() for t in threads)
+        finally:
+            gate.set()
+            for t in threads:
+                t.join(timeout=10)
+        for n, r in out.items():
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == expected(PROMPT + [n], 6)
+        assert c.workers["decode-0"].counts.aborted == 6
+        assert metric(c.url, "kvcluster_retries_total", stage="decode") == 6
+        assert metric(c.url, "kvcluster_retries_refused_total") == 0
+
+
 def test_a_prefill_on_a_stalled_engine_is_retried_on_another_prefill_instance(model_dir):
     with LocalConductor(model_dir, roles=("prefill", "prefill", "decode"),
                         conductor_args=("--health-interval-s", "0.2", "--disaggregate",
