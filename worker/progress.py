@@ -8,14 +8,15 @@ that arrived while the last step was being reported, and an engine holding nothi
 nothing, however long it is quiet. Each step owed and taken is one sample of the engine's
 step time.
 
-The bound is `pool_wait_s + max(floor_s, factor * the longest of the last `window` samples)`:
-a long prompt's chunked prefill is many steps, each as long as the engine's steps have been;
-a step may also wait for the pool up to its op timeout (`pool_wait_s`); a slower machine
-(a busy one) gives longer samples, and so a longer bound. The first `warmup_steps` steps
-after start are neither judged (nothing is known of the engine's speed yet) nor samples
-(they compile and warm up: not the engine's speed); a step that ends a stall is no sample
-(it measured the stall, not the engine). A check that runs late (its
-event loop was blocked: the engine's outputs may be waiting unread) judges nothing.
+The bound is `pool_wait_s + max(floor_s, factor * longest)`, `longest` the longest of the
+last `window` samples: a long prompt's chunked prefill is many steps, each as long as the
+engine's steps have been; a step may also wait for the pool up to its op timeout
+(`pool_wait_s`); a slower machine (a busy one) gives longer samples, and so a longer bound.
+The first `warmup_steps` steps after start are neither judged (nothing is known of the
+engine's speed yet) nor samples (they compile and warm up: not the engine's speed); a step
+that ends a stall is no sample (it measured the stall, not the engine). A check that runs
+late (its event loop was blocked: the engine's outputs may be waiting unread) judges
+nothing.
 
 A step longer than `factor` times every step in the window, and than the floor, reads as a
 stall: the floor must exceed the longest single step the engine can take (a full prefill
