@@ -88,9 +88,11 @@ def test_a_stopped_engine_core_is_unhealthy_in_seconds_and_its_requests_go_elsew
     unhealthy (stalled) and cancels its calls, and every request is answered by the other
     engine within the TTFT SLO (today's code: ~120 s each, the stall deadline); after
     SIGCONT it serves again."""
-    assert complete(pair, -1)[0] == 200  # the engine that has the prompt's prefix cached
-    dispatched = {i: x.dispatched_total for i, x in instances(pair).items()}
-    victim = max(dispatched, key=lambda i: dispatched[i])
+    assert complete(pair, -1)[0] == 200
+    # the engine that decoded it: it has the prompt's prefix cached, and is warm
+    routed = re.findall(r"\brouted\b.*?\bdecode=(\S+)",
+                        (pair.run_dir / "conductor.log").read_text())
+    victim = routed[-1]
     core = engine_core(pair, victim)
     log = pair.workers[victim].process.log_path
     os.kill(core.pid, signal.SIGSTOP)
