@@ -99,7 +99,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             queued_prompt_tokens=v.queued_prompt_tokens,
             cached_blocks=self.router.index.blocks(inst.instance_id),
             dispatched_total=inst.load.dispatched_total, version=inst.info.version,
-            mismatch=inst.mismatch)
+            mismatch=inst.mismatch, why=inst.why)
 
     async def ListInstances(self, request: admin_pb2.ListInstancesRequest,
                             context: grpc.aio.ServicerContext) -> admin_pb2.ListInstancesReply:

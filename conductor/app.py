@@ -114,7 +114,9 @@ class Conductor:
         self.pool_stats: PoolStatsPoller | None = None
         self.step_targets: StepTargets | None = None
         self.metrics = Metrics(self.registry.views,
-                               lambda: self.pool_stats.latest if self.pool_stats else {})
+                               lambda: self.pool_stats.latest if self.pool_stats else {},
+                               self.registry.states)
+        self.registry.on_unhealthy.append(self.metrics.instance_unhealthy)
         self.pipeline.metrics = self.metrics
         self.tenants = Tenants(config.tenant_limits)
         self.flow = FlowControl(self.tenants, config.batch_max_wait_s, config.batch_queue_max,

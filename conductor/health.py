@@ -2,11 +2,13 @@
 
 An instance whose check fails leaves routing, long before its etcd lease would expire: at
 once when it refuses the connection or is not SERVING (a worker in graceful shutdown says
-NOT_SERVING), after two checks in a row when it is merely slow to answer (a busy machine is
-not a dead one). The next successful check brings it back. Its calls in flight go on while
-it says NOT_SERVING (a graceful drain); when it does not answer at all (refused, or twice too
-slow: a stopped process keeps its connections open and silent) they are cancelled, and their
-requests retry or migrate at once instead of waiting for the stall deadline.
+NOT_SERVING; one whose engine holds work and makes no progress says `STALLED`,
+`cluster.health`), after two checks in a row when it is merely slow to answer (a busy
+machine is not a dead one). The next successful check brings it back. Its calls in flight go
+on while it says NOT_SERVING (a graceful drain); when it is stalled, or does not answer at all
+(refused, or twice too slow: a stopped process keeps its connections open and silent) they
+are cancelled, and their requests retry or migrate at once instead of waiting for the stall
+deadline.
 
 Until an instance is verified, each round first asks its worker to prove itself (`_verify`):
 its `Stats` must report the registration etcd holds, with the cluster secret's proof when the
@@ -22,6 +24,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cluster.health import SERVICE, STALLED
 from cluster.instance import InstanceInfo
 from cluster.secret import NONCE_KEY, PROOF_KEY, metadata_value
 from conductor.registry import Instance, PerInstance, Registry
@@ -29,9 +32,12 @@ from protos import worker_pb2
 
 log = structlog.get_logger(__name__)
 
-SERVICE = "kvcluster.v1.Worker"
 SILENT = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
 """Health answers that mean the instance is gone or wedged (`Registry.set_unhealthy(lost)`)."""
+STALLED_WHY = "stalled"
+"""Why an instance whose health says `STALLED` is unhealthy: lost too (its engine holds its
+calls and does not step)."""
+LOST = (*SILENT, STALLED_WHY)
 
 
 def _reports(registration: bytes, info: InstanceInfo) -> bool:
@@ -101,7 +107,9 @@ class HealthChecker(PerInstance):
             try:
                 reply = await stub.Check(health_pb2.HealthCheckRequest(service=SERVICE),
                                          timeout=self.timeout_s)
-                if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                if reply.status == STALLED:
+                    why = STALLED_WHY
+                elif reply.status != health_pb2.HealthCheckResponse.SERVING:
                     why = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
             except grpc.aio.AioRpcError as e:
                 # UNIMPLEMENTED: a worker without the health service, left to its lease
@@ -114,5 +122,5 @@ class HealthChecker(PerInstance):
             if why:
                 self.failures_total += 1
             if slow != 1:  # one slow answer alone changes nothing
-                self.registry.set_unhealthy(iid, bool(why), why, lost=why in SILENT)
+                self.registry.set_unhealthy(iid, bool(why), why, lost=why in LOST)
             await asyncio.sleep(max(self.interval_s - (loop.time() - started), 0.05))

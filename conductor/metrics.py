@@ -37,9 +37,11 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.0
 
 class Metrics:
     def __init__(self, instances: Callable[[], Iterable[Any]] = tuple,
-                 pool: Callable[[], Mapping[str, Any]] = dict) -> None:
+                 pool: Callable[[], Mapping[str, Any]] = dict,
+                 states: Callable[[], Iterable[tuple[str, str, str, str]]] = tuple) -> None:
         """`instances` returns the current instances' loads (`snapshot.InstanceLoad`s), `pool`
-        each instance's latest `worker_pb2.PoolStats` (`PoolStatsPoller.latest`)."""
+        each instance's latest `worker_pb2.PoolStats` (`PoolStatsPoller.latest`), `states`
+        every instance's (id, role, state, why it is unhealthy)."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("kvcluster_requests", "Requests answered, by endpoint and HTTP "
@@ -84,6 +86,11 @@ class Metrics:
         self.fallbacks_total = Counter("kvcluster_fallbacks", "Fall-backs taken (e.g. prefill "
                                        "on the decode instance, recompute), by kind.", ["kind"],
                                        registry=r)
+        self.unhealthy_total = Counter("kvcluster_instance_unhealthy", "Instances taken out "
+                                       "of routing by their health checks, by why (stalled: "
+                                       "its engine held work and did not step; UNAVAILABLE, "
+                                       "DEADLINE_EXCEEDED: no answer; NOT_SERVING: a drain).",
+                                       ["why"], registry=r)
         self.migrations_total = Counter("kvcluster_stream_migrations", "Decode streams "
                                         "continued on another instance after theirs failed.",
                                         registry=r)
@@ -95,7 +102,7 @@ class Metrics:
         self.tracing = None
         """A `conductor.tracing.Tracing` when spans are exported."""
         self.totals = {"prompt": 0, "local": 0, "pool": 0}
-        r.register(_ClusterCollector(instances, self.totals))
+        r.register(_ClusterCollector(instances, self.totals, states))
         r.register(PoolCollector(pool))
 
     def retry(self, stage: str) -> None:
@@ -135,6 +142,9 @@ class Metrics:
         self.totals["prompt"] += prompt_tokens
         self.totals["pool"] += pool
         self.totals["local"] += cached_tokens - pool
+
+    def instance_unhealthy(self, why: str) -> None:
+        self.unhealthy_total.labels(why).inc()
 
     def migration(self) -> None:
         self.migrations_total.inc()
@@ -237,9 +247,11 @@ class RequestTimer:
 class _ClusterCollector(Collector):
     """Per-instance load as the conductor counts it, and the cache hit ratios, at scrape."""
 
-    def __init__(self, instances: Callable[[], Iterable[Any]], totals: dict[str, int]) -> None:
+    def __init__(self, instances: Callable[[], Iterable[Any]], totals: dict[str, int],
+                 states: Callable[[], Iterable[tuple[str, str, str, str]]] = tuple) -> None:
         self._instances = instances
         self._totals = totals
+        self._states = states
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         in_flight = GaugeMetricFamily("kvcluster_instance_in_flight", "Requests dispatched to "
@@ -261,6 +273,13 @@ class _ClusterCollector(Collector):
         yield in_flight
         yield queued
         yield slowdown
+        state = GaugeMetricFamily("kvcluster_instance_state", "1 for every instance, labelled "
+                                  "with its routing state (serving, unhealthy, draining, ...) "
+                                  "and why it is unhealthy.",
+                                  labels=["instance", "role", "state", "why"])
+        for iid, role, name, why in self._states():
+            state.add_metric([iid, role, name, why], 1)
+        yield state
         ratio = GaugeMetricFamily("kvcluster_cache_hit_ratio", "Share of prompt tokens served "
                                   "from a cache since start, by source.", labels=["source"])
         total = self._totals["prompt"]

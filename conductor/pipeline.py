@@ -299,7 +299,7 @@ class Pipeline:
         except asyncio.CancelledError:
             if cancelled_by_us():
                 raise
-            raise (lost(iid, "prefill") if inst.lost else left(iid, "prefill")) from None
+            raise (lost(iid, "prefill", inst.why) if inst.lost else left(iid, "prefill")) from None
         finally:
             inst.calls.discard(call)
         self.registry.call_succeeded(iid)
@@ -433,7 +433,7 @@ class Pipeline:
         except asyncio.CancelledError:
             if cancelled_by_us():
                 raise
-            raise (lost(iid, "decode") if inst.lost else left(iid, "decode")) from None
+            raise (lost(iid, "decode", inst.why) if inst.lost else left(iid, "decode")) from None
         finally:
             inst.calls.discard(call)
             if not read.done():

@@ -70,7 +70,11 @@ class Instance:
     (`Registry.set_unhealthy`), so that their requests move on at once."""
     lost: bool = False
     """Unhealthy because it did not answer at all (unreachable, or silent: a stopped
-    process), not because it said NOT_SERVING (a graceful drain, whose calls go on)."""
+    process) or its engine is stalled, not because it said NOT_SERVING (a graceful drain,
+    whose calls go on)."""
+    why: str = ""
+    """Why it is unhealthy (`conductor.health`: stalled, NOT_SERVING, UNAVAILABLE, ...);
+    "": it is not."""
 
     @property
     def instance_id(self) -> str:
@@ -155,6 +159,8 @@ class Registry:
         (`conductor.terms`)."""
         self.on_terms: list[Callable[[Terms], None]] = []
         """Told of every change of `terms`."""
+        self.on_unhealthy: list[Callable[[str], None]] = []
+        """Told why, each time an instance turns unhealthy."""
         self._proofs = itertools.count(1)
         self.tls = tls
         """The worker plane's TLS (`cluster.plane_tls`): None, plaintext channels."""
@@ -249,9 +255,12 @@ class Registry:
             self._snap = None
             if unhealthy:
                 log.warning("instance_unhealthy", instance_id=instance_id, why=why)
+                for listener in self.on_unhealthy:
+                    listener(why)
             else:
                 log.info("instance_healthy", instance_id=instance_id)
         inst.lost = unhealthy and lost
+        inst.why = why if unhealthy else ""
         if inst.lost and inst.calls:
             log.warning("instance_lost_calls_cancelled", instance_id=instance_id, why=why,
                         calls=len(inst.calls))
@@ -361,6 +370,10 @@ class Registry:
             self._snap = None
             log.info("instance_switched", instance_id=instance_id, role=role)
         return inst
+
+    def states(self) -> list[tuple[str, str, str, str]]:
+        """Every instance's id, role, state and why it is unhealthy (for metrics)."""
+        return [(i.instance_id, i.role, i.state, i.why) for i in self.all()]
 
     def views(self) -> list[InstanceLoad]:
         """The routable instances' loads now (for health and metrics; routing uses

@@ -17,9 +17,11 @@ retried. A failure of an instance is survived where something else can run the r
   migration.
 
 Every retry and migration takes from the conductor's retry budget (a share of recent
-requests, `--retry-budget`: failures never multiply the load) and waits a jittered, doubling
-backoff; a failed instance counts towards its circuit breaker (the mechanisms, shared with the
-pool and membership: `cluster/resilience.py`). The same engine error from a second instance
+requests, `--retry-budget`: failures never multiply the load), except those of calls the
+conductor cancelled because their instance was found lost (`lost`: each moves once, off an
+instance no longer routed to, however many it held), and waits a jittered, doubling
+backoff; a failed instance counts towards its circuit breaker (the mechanisms, shared with
+the pool and membership: `cluster/resilience.py`). The same engine error from a second instance
 is the request's own: it is the answer, and the second instance's breaker does not count it.
 When nothing else can run the request, or the budget is spent, the latest failure is the
 answer. Each path counts in the request's `Outcome` and the metrics,
@@ -77,6 +79,8 @@ class WorkerFailure(Exception):
         self.retryable = code in RETRYABLE
         self.details = details
         """What the worker said (its gRPC status details); empty: the conductor's own."""
+        self.evacuated = False
+        """The conductor cancelled the call: its instance was found lost (`lost`)."""
 
 
 class PrefillFailure(WorkerFailure):
@@ -123,13 +127,16 @@ def left(instance: str, stage: str) -> WorkerFailure:
         f"{stage} on {instance}: the instance left the cluster"))
 
 
-def lost(instance: str, stage: str) -> WorkerFailure:
-    """The health checker cancelled the call: the instance stopped answering
-    (`Registry.set_unhealthy(lost=True)`)."""
+def lost(instance: str, stage: str, why: str = "") -> WorkerFailure:
+    """The health checker cancelled the call: the instance stopped answering, or its engine
+    stalled (`why`, `Registry.set_unhealthy(lost=True)`)."""
+    what = "its engine stalled" if why == "stalled" else "the instance stopped answering"
     log.warning("worker_rpc_failed", instance=instance, stage=stage, code="UNAVAILABLE",
-                details="cancelled: the instance stopped answering its health checks")
-    return WorkerFailure(instance, grpc.StatusCode.UNAVAILABLE, UpstreamFailed(
-        f"{stage} on {instance}: the instance stopped answering"))
+                details=f"cancelled: {what} ({why or 'health checks'})")
+    f = WorkerFailure(instance, grpc.StatusCode.UNAVAILABLE, UpstreamFailed(
+        f"{stage} on {instance}: {what}"))
+    f.evacuated = True
+    return f
 
 
 def cancelled_by_us() -> bool:
@@ -232,8 +239,9 @@ class Recovery:
                                                                             last.details))
 
     def _budget_allows(self, f: WorkerFailure) -> bool:
-        """Take a retry from the budget (True), or count the refusal (False)."""
-        if self.budget is None or self.budget.try_retry():
+        """Take a retry from the budget (True), or count the refusal (False); a call moved
+        off a lost instance takes none."""
+        if f.evacuated or self.budget is None or self.budget.try_retry():
             return True
         if self.metrics is not None:
             self.metrics.retry_refused()

@@ -343,8 +343,9 @@ def _fmt_instances(reply: admin_pb2.ListInstancesReply) -> str:
                      i.cached_blocks])
     header = ["ID", "ROLE", "STATE", "ADDRESS", "IN_FLIGHT", "RUNNING", "KV_TOKENS/CAP",
               "CACHED_BLOCKS"]
-    why = [f"{i.instance_id} mismatched: {i.mismatch}"
-           for i in sorted(reply.instances, key=lambda i: i.instance_id) if i.mismatch]
+    ordered = sorted(reply.instances, key=lambda i: i.instance_id)
+    why = [f"{i.instance_id} mismatched: {i.mismatch}" for i in ordered if i.mismatch]
+    why += [f"{i.instance_id} unhealthy: {i.why}" for i in ordered if i.why]
     return "\n".join([table(header, rows, [False] * 4 + [True] * 4), *why])
 
 

@@ -21,6 +21,7 @@ import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster import plane_tls
+from cluster.health import SERVICE
 from cluster.instance import InstanceInfo
 from cluster.membership import Registration
 from cluster.plane_tls import PlaneTLS
@@ -376,6 +377,12 @@ class LocalConductor:
         assert self._loop is not None
         return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout=30)
 
+    def set_health(self, instance_id: str, status: int) -> None:
+        """What a worker's health service says from now on (`cluster.health`)."""
+        assert self._loop is not None
+        asyncio.run_coroutine_threadsafe(self.workers[instance_id].health.set(
+            SERVICE, status), self._loop).result(timeout=10)
+
     @property
     def conductor(self):
         return self.app.state.conductor
@@ -436,7 +443,7 @@ class LocalConductor:
             health_pb2_grpc.add_HealthServicer_to_server(fake.health, server)
             port = plane_tls.bind(server, "127.0.0.1:0", tls)
             await server.start()
-            await fake.health.set("kvcluster.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
+            await fake.health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
             servers.append(server)
             self.addresses[iid] = f"127.0.0.1:{port}"
             if guard is not None:

@@ -43,6 +43,8 @@ class FakeAdmin(admin_pb2_grpc.AdminServicer):
             admin_pb2.Instance(instance_id="decode-9", role="decode", advertised_role="decode",
                                address="127.0.0.1:50009", state="mismatched",
                                mismatch="block size 64, the cluster's is 32"),
+            admin_pb2.Instance(instance_id="decode-7", role="decode", advertised_role="decode",
+                               address="127.0.0.1:50007", state="unhealthy", why="stalled"),
         ])
 
     def ResizePool(self, request, context):
@@ -117,15 +119,16 @@ def test_instances_table(admin, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == ["ID", "ROLE", "STATE", "ADDRESS", "IN_FLIGHT", "RUNNING",
                               "KV_TOKENS/CAP", "CACHED_BLOCKS"]
-    assert len(out) == 5
-    assert out[-1] == "decode-9 mismatched: block size 64, the cluster's is 32"
-    rows = {line.split()[0]: line for line in out[1:4]}
+    assert len(out) == 7
+    assert out[-2:] == ["decode-9 mismatched: block size 64, the cluster's is 32",
+                        "decode-7 unhealthy: stalled"]
+    rows = {line.split()[0]: line for line in out[1:5]}
     assert "decode (both)" in rows["decode-0"] and "512/16384" in rows["decode-0"]
     assert rows["prefill-0"].split()[1:4] == ["prefill", "serving", "127.0.0.1:50001"]
     # aligned: every column starts at the same offset in every line
     start = out[0].index("STATE")
-    assert all(line[start:].startswith(("STATE", "serving", "draining", "mismatched"))
-               for line in out[:4])
+    assert all(line[start:].startswith(("STATE", "serving", "draining", "mismatched",
+                                        "unhealthy")) for line in out[:5])
     assert admin.calls[0][0] == "ListInstances"
 
 
@@ -133,7 +136,7 @@ def test_json_any_position(admin, capsys):
     assert ctl.main(["--json", "instances"]) == 0
     data = json.loads(capsys.readouterr().out)
     ids = [i["instance_id"] for i in data["instances"]]
-    assert ids == ["prefill-0", "decode-0", "decode-9"]
+    assert ids == ["prefill-0", "decode-0", "decode-9", "decode-7"]
     assert ctl.main(["index", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["locations"][0] == {"location": "/pool", "blocks": "100"}

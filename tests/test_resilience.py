@@ -14,6 +14,9 @@ import httpx
 import pytest
 from conftest import wait_until
 from fake_worker import Knobs, LocalConductor
+from grpc_health.v1 import health_pb2
+
+from cluster.health import STALLED
 
 
 def metric(url: str, name: str, **labels: str) -> float:
@@ -307,6 +310,136 @@ def test_a_decode_instance_that_stops_answering_has_its_streams_moved_before_the
         assert text == expected(PROMPT, 10)
         assert c.workers[wedged].counts.aborted == 1  # its call was cancelled
         assert metric(c.url, "kvcluster_stream_migrations_total") == 1
+
+
+def _stalled_one(c: LocalConductor, started, gates: dict[str, threading.Event]) -> str:
+    """Once one of `gates`' workers holds the request (`started`), its health says STALLED
+    and the others' gates open; that worker's id."""
+    wait_until(lambda: any(started(c.workers[i]) for i in gates), 10, interval=0.01)
+    wedged = next(i for i in gates if started(c.workers[i]))
+    c.set_health(wedged, STALLED)
+    for i, gate in gates.items():
+        if i != wedged:
+            gate.set()
+    return wedged
+
+
+def _shown_stalled(c: LocalConductor, wedged: str) -> None:
+    inst = c.call(lambda: c.conductor.registry.get(wedged))
+    assert (inst.state, inst.why) == ("unhealthy", "stalled")
+    assert metric(c.url, "kvcluster_instance_unhealthy_total", why="stalled") == 1
+    assert metric(c.url, "kvcluster_instance_state", instance=wedged, role=inst.role,
+                  state="unhealthy", why="stalled") == 1
+
+
+@pytest.mark.parametrize("chunks", [0, 3], ids=["before_first_token", "mid_stream"])
+def test_a_decode_instance_whose_engine_stalls_has_its_streams_moved_and_no_new_work(
+        model_dir, chunks):
+    """A worker whose health answers STALLED (its engine holds work and does not step) is
+    lost, not draining: its calls are cancelled, and their requests retry (no token yet) or
+    migrate in seconds, not after the stall deadline; new requests go elsewhere; it shows
+    unhealthy, stalled, until its health says SERVING again."""
+    with LocalConductor(model_dir, roles=("prefill", "decode", "decode"),
+                        conductor_args=("--health-interval-s", "0.2",
+                                        "--stall-timeout-s", "120")) as c:
+        gates = {}
+        for iid, w in c.workers.items():
+            if iid.startswith("decode"):
+                gates[iid] = threading.Event()
+                w.knobs = Knobs(continue_sequence=True, token_delay_s=0.01,
+                                decode_gate=gates[iid], gate_after_chunks=chunks)
+        out: list[httpx.Response] = []
+        t = threading.Thread(target=lambda: out.append(
+            complete(c.url, PROMPT, max_tokens=10, stream=True)))
+        t.start()
+        try:
+            wedged = _stalled_one(c, lambda w: w.counts.generates, gates)
+            t.join(timeout=25)
+            assert not t.is_alive(), "the stream waited for the stall deadline"
+            text, _ = streamed_text(out[0])
+            assert text == expected(PROMPT, 10)
+            assert c.workers[wedged].counts.aborted == 1  # its call was cancelled
+            if chunks:
+                assert metric(c.url, "kvcluster_stream_migrations_total") == 1
+            else:
+                assert metric(c.url, "kvcluster_retries_total", stage="decode") == 1
+            _shown_stalled(c, wedged)
+            for n in range(3):
+                assert complete(c.url, PROMPT + [n]).status_code == 200
+            assert c.workers[wedged].counts.generates == 1
+            c.set_health(wedged, health_pb2.HealthCheckResponse.SERVING)
+            wait_until(lambda: c.call(lambda: dict(
+                (i.instance_id, i.state) for i in c.conductor.registry.all()))[wedged]
+                == "serving", 10)  # once its breaker (the cancelled call) closed
+        finally:
+            for gate in gates.values():
+                gate.set()
+            t.join(timeout=10)
+
+
+def test_every_call_of_a_stalled_instance_moves_whatever_the_retry_budget(model_dir):
+    """Six requests on one instance when its engine stalls, a retry budget of 3: all six
+    move (each once, off an instance no longer routed to), none is answered with the
+    failure."""
+    with LocalConductor(model_dir, roles=("prefill", "decode", "decode"),
+                        conductor_args=("--health-interval-s", "0.2", "--retry-budget", "0",
+                                        "--stall-timeout-s", "120")) as c:
+        gate = threading.Event()
+        c.workers["decode-0"].knobs = Knobs(continue_sequence=True, decode_gate=gate)
+        c.workers["decode-1"].knobs = Knobs(continue_sequence=True)
+        registry = c.conductor.registry
+        c.set_health("decode-1", health_pb2.HealthCheckResponse.NOT_SERVING)
+        wait_until(lambda: c.call(lambda: registry.get("decode-1").unhealthy), 10)
+        out: dict[int, httpx.Response] = {}
+        threads = [threading.Thread(target=lambda n=n: out.__setitem__(
+            n, complete(c.url, PROMPT + [n]))) for n in range(6)]
+        for t in threads:
+            t.start()
+        try:
+            wait_until(lambda: c.workers["decode-0"].counts.generates == 6, 10)
+            c.set_health("decode-1", health_pb2.HealthCheckResponse.SERVING)
+            wait_until(lambda: c.call(lambda: registry.get("decode-1").routable), 10)
+            c.set_health("decode-0", STALLED)
+            for t in threads:
+                t.join(timeout=25)
+            assert not any(t.is_alive() for t in threads)
+        finally:
+            gate.set()
+            for t in threads:
+                t.join(timeout=10)
+        for n, r in out.items():
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == expected(PROMPT + [n], 6)
+        assert c.workers["decode-0"].counts.aborted == 6
+        assert metric(c.url, "kvcluster_retries_total", stage="decode") == 6
+        assert metric(c.url, "kvcluster_retries_refused_total") == 0
+
+
+def test_a_prefill_on_a_stalled_engine_is_retried_on_another_prefill_instance(model_dir):
+    with LocalConductor(model_dir, roles=("prefill", "prefill", "decode"),
+                        conductor_args=("--health-interval-s", "0.2", "--disaggregate",
+                                        "always")) as c:
+        gates = {}
+        for iid, w in c.workers.items():
+            gates[iid] = threading.Event()
+            w.knobs = Knobs(continue_sequence=True, prefill_gate=gates[iid])
+        gates.pop("decode-0").set()
+        out: list[httpx.Response] = []
+        t = threading.Thread(target=lambda: out.append(complete(c.url, PROMPT)))
+        t.start()
+        try:
+            wedged = _stalled_one(c, lambda w: w.counts.prefills, gates)
+            t.join(timeout=25)
+            assert not t.is_alive(), "the request waited for its stalled prefill"
+            assert out[0].status_code == 200, out[0].text
+            assert out[0].json()["choices"][0]["text"] == expected(PROMPT, 6)
+            assert c.workers[wedged].counts.aborted == 1
+            assert metric(c.url, "kvcluster_retries_total", stage="prefill") == 1
+            _shown_stalled(c, wedged)
+        finally:
+            for gate in gates.values():
+                gate.set()
+            t.join(timeout=10)
 
 
 def test_chaos_counts_the_calls_moved_on_from_silent_workers():

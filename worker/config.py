@@ -88,6 +88,15 @@ class WorkerConfig:
     knows this engine's speed before its first request."""
     kv_events: bool = True
     """Publish the engine's prefix-cache changes to the conductor (the `KvEvents` RPC)."""
+    stall_floor_s: float = 3.0
+    """An engine holding requests that has not stepped for `stall_floor_s`, or `stall_factor`
+    times its longest recent step if longer (plus the pool's op timeout, which a step may
+    wait), is stalled: its health says so and the conductor moves its requests elsewhere
+    (`worker.progress`). Above the longest single step the engine can take."""
+    stall_factor: float = 10.0
+    """How many times its longest recent step an engine may go without stepping (at least 1)."""
+    stall_warmup_steps: int = 4
+    """Steps after start during which no stall is found (the engine's speed is unknown)."""
     secret_file: str = ""
     """A file holding the cluster secret (`cluster.secret`): set, every Worker call must
     carry the token derived from it. Required when the worker binds beyond loopback."""
@@ -114,6 +123,12 @@ class WorkerConfig:
                              f"block_size ({self.block_size}), got {self.max_num_batched_tokens}")
         if self.kv_checksum and self.device != "cpu":
             raise ValueError("kv_checksum needs the KV cache in host memory (device cpu)")
+        if not self.stall_floor_s > 0:
+            raise ValueError(f"stall_floor_s must be positive, got {self.stall_floor_s}")
+        if not self.stall_factor >= 1:
+            raise ValueError(f"stall_factor must be at least 1, got {self.stall_factor}")
+        if self.stall_warmup_steps < 0:
+            raise ValueError(f"stall_warmup_steps must be >= 0, got {self.stall_warmup_steps}")
         if self.lease_ttl < 1:
             raise ValueError(f"lease_ttl must be at least 1 s, got {self.lease_ttl}")
         if bool(self.pool_store_client) != bool(self.pool_store_client_segment):

@@ -19,6 +19,7 @@ from cluster.process import DIST_ENV, IPC_ENV, vllm_scratch
 from store.namespace import kv_namespace
 from worker.config import WorkerConfig
 from worker.dtype import resolve as resolve_dtype
+from worker.progress import Progress
 from worker.vllm_plugin import (
     CPU_SEEDS_ENV,
     CPU_VLLM_ENV,
@@ -63,6 +64,12 @@ class Engine:
         """The KV event relay (`worker.kv_events`), when `config.kv_events`."""
         self.load: dict[str, float] = {}
         """The engine scheduler's latest queue and KV use (`worker.telemetry`)."""
+        from store.connector.settings import ConnectorSettings
+
+        self.progress = Progress(config.stall_floor_s, config.stall_factor,
+                                 config.stall_warmup_steps,
+                                 pool_wait_s=ConnectorSettings.op_timeout_s)
+        """Whether the engine makes progress (`worker.progress`): each step reports to it."""
         self._ipc_dir = ""
         """Where its processes' ZeroMQ sockets are (`IPC_ENV`), removed at shutdown."""
 
@@ -129,7 +136,7 @@ class Engine:
 
         with _forking_on(c.engine_core_cpus or c.engine_cpus), _dying_with_me():
             self._llm = AsyncLLM.from_engine_args(
-                args, stat_loggers=[load_logger_factory(self.load)])
+                args, stat_loggers=[load_logger_factory(self.load, self.progress)])
         log.info("engine_started", model=c.model, role=c.role, namespace=self.namespace)
 
     def _claim_ipc_dir(self) -> None:
@@ -174,6 +181,7 @@ class Engine:
             params.n, params.max_tokens = 1, 1
             params.min_tokens = min(params.min_tokens, 1)
         params = self.with_pool_wait(params, pool_wait)
+        self.progress.submitted()
         final = None
         async for out in self.llm.generate(self._prompt(token_ids, cache_salt), params,
                                            request_id):
@@ -213,6 +221,7 @@ class Engine:
             from worker.forced_token import forced
 
             forced(params, first_token)
+        self.progress.submitted()
         return self.llm.generate(self._prompt(token_ids, cache_salt),
                                  self.with_pool_wait(params, pool_wait), request_id)
 
@@ -236,6 +245,10 @@ class Engine:
             return self.llm.output_processor.get_num_unfinished_requests()
         except AttributeError:
             return 0
+
+    async def ping(self) -> None:
+        """Returns once the engine core answered a call (between two of its steps)."""
+        await self.llm.is_sleeping()
 
     def dead(self) -> BaseException | None:
         """Why the engine core is dead (a fatal error in a step, its process killed), or None

@@ -13,6 +13,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster import keepalive, plane_tls
+from cluster.health import SERVICE
 from cluster.instance import PROBE_TOKENS, InstanceInfo, cpu_list, format_cpu_list, host_port
 from cluster.logging import configure
 from cluster.membership import Registration
@@ -22,14 +23,11 @@ from protos import worker_pb2_grpc
 from worker.config import WorkerConfig, parse_args
 from worker.engine import Engine
 from worker.servicer import WorkerServicer
+from worker.watchdog import Watchdog
 
 log = structlog.get_logger(__name__)
 
 VERSION = "0.1.0"
-
-
-ENGINE_CHECK_S = 0.5
-"""How often a worker checks that its engine core is alive."""
 
 
 async def serve(config: WorkerConfig) -> bool:
@@ -55,7 +53,9 @@ async def _serve(config: WorkerConfig, engine: Engine) -> bool:
     port = _bind(server, config.host, config.port, config.tls)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set("kvcluster.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    watchdog = Watchdog(engine.progress, engine.running, engine.ping, health_servicer,
+                        config.instance_id)
 
     info = InstanceInfo(
         instance_id=config.instance_id,
@@ -89,7 +89,10 @@ async def _serve(config: WorkerConfig, engine: Engine) -> bool:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    dead = await _until_stopped_or_dead(stop, engine)
+    try:
+        dead = await _until_stopped_or_dead(stop, engine, watchdog)
+    finally:
+        await watchdog.close()
     if dead is not None:
         log.error("engine_dead", instance_id=config.instance_id, error=repr(dead))
 
@@ -120,15 +123,18 @@ def _bind(server: grpc.aio.Server, host: str, port: int, tls: PlaneTLS | None = 
     return got
 
 
-async def _until_stopped_or_dead(stop: asyncio.Event, engine: Engine) -> BaseException | None:
+async def _until_stopped_or_dead(stop: asyncio.Event, engine: Engine, watchdog: Watchdog
+                                 ) -> BaseException | None:
     """Wait for `stop`, or for the engine core to die: a worker whose engine is dead answers
     every call with an error, so it leaves (lease revoked, exit status 1) for its supervisor
-    to start another rather than stay routed to."""
+    to start another rather than stay routed to. Meanwhile the watchdog says whether the
+    engine makes progress."""
     while not stop.is_set():
         if (dead := engine.dead()) is not None:
             return dead
+        await watchdog.check()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), ENGINE_CHECK_S)
+            await asyncio.wait_for(stop.wait(), engine.progress.check_s)
     return None
 
 

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from protos import worker_pb2
+from worker.progress import Progress
 
 _MONO_TO_WALL = time.time() - time.monotonic()
 """vLLM's engine-core timestamps are `time.monotonic()` (one clock for every process of the
@@ -34,10 +35,11 @@ def engine_times(out: Any, received: float) -> worker_pb2.EngineTimes:
     return t
 
 
-def load_logger_factory(sink: dict[str, float]):
+def load_logger_factory(sink: dict[str, float], progress: Progress | None = None):
     """A vLLM `StatLoggerFactory` whose loggers keep the engine's latest queue and KV use in
-    `sink` (`waiting`, `running`, `kv_usage`). Passing it to `AsyncLLM` turns vLLM's request
-    metrics on without its default loggers."""
+    `sink` (`waiting`, `running`, `kv_usage`) and tell `progress` of every step (vLLM calls
+    them once per engine step). Passing it to `AsyncLLM` turns vLLM's request metrics on
+    without its default loggers."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class LoadLogger(StatLoggerBase):
@@ -51,6 +53,9 @@ def load_logger_factory(sink: dict[str, float]):
                                    + scheduler_stats.num_skipped_waiting_reqs)
                 sink["running"] = scheduler_stats.num_running_reqs
                 sink["kv_usage"] = scheduler_stats.kv_cache_usage
+            if progress is not None:  # no stats: as if it held work (a check corrects it)
+                progress.stepped(scheduler_stats is None
+                                 or sink["waiting"] + sink["running"] > 0)
 
         def log_engine_initialized(self) -> None:
             pass
