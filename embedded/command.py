@@ -13,6 +13,7 @@ import time
 from cluster import loopback, shape
 from cluster.signals import stop_on_signals
 from embedded.launcher import ClusterSpec, EmbeddedCluster
+from embedded.supervisor import QUICK_DEATHS, QUICK_S, GaveUp, RestartPolicy
 from worker.dtype import DTYPES
 
 
@@ -21,6 +22,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=os.environ.get("KVCLUSTER_MODEL", ""),
                    help="local HF model directory (default: the built-in tiny model)")
     p.add_argument("--port", type=int, default=int(os.environ.get("KVCLUSTER_PORT", "8000")))
+    p.add_argument("--conductors", type=int, default=1,
+                   help="conductor replicas serving the one cluster, on --port and the next "
+                   "free ports above it (their admin APIs likewise above --admin-port)")
+    p.add_argument("--conductor-restarts", type=int,
+                   default=QUICK_DEATHS,
+                   help="a conductor that exits is started again (after a pause that doubles "
+                   f"while it keeps dying within {QUICK_S} s of its start); "
+                   "after this many such quick deaths in a row the launcher gives up and stops")
     p.add_argument("--prefill", type=int, default=None,
                    help="prefill engines (with --decode/--both: this shape instead of the one "
                    "chosen for the machine)")
@@ -75,18 +84,20 @@ def spec_from_args(argv: list[str] | None = None) -> ClusterSpec:
     try:
         plan = shape.choose(shape.machine_cores(), _gpus(), a.prefill, a.decode, a.both,
                             a.step_tokens)
-    except ValueError as e:
+        restarts = RestartPolicy(quick_deaths=a.conductor_restarts)
+        return ClusterSpec(model=model, prefill=plan.count("prefill"), decode=plan.count("decode"),
+                           both=plan.count("both"), shape=plan, http_port=a.port,
+                           etcd_port=a.etcd_port, store_rpc_port=a.store_rpc_port,
+                           store_metadata_port=a.store_metadata_port, run_dir=a.run_dir,
+                           block_size=a.block_size, max_model_len=a.max_model_len,
+                           dtype=a.dtype, admin_port=a.admin_port, pool_shm=a.pool == "shm",
+                           policy=a.policy,
+                           conductor_args=("--disaggregate", a.disaggregate),
+                           enforce_eager=a.eager, worker_tls=a.worker_tls,
+                           allow_wildcard_binds=a.allow_wildcard_binds,
+                           conductors=a.conductors, conductor_restarts=restarts)
+    except ValueError as e:  # a bad setting: one line naming it, not a traceback
         parser().error(str(e))
-    return ClusterSpec(model=model, prefill=plan.count("prefill"), decode=plan.count("decode"),
-                       both=plan.count("both"), shape=plan, http_port=a.port,
-                       etcd_port=a.etcd_port, store_rpc_port=a.store_rpc_port,
-                       store_metadata_port=a.store_metadata_port, run_dir=a.run_dir,
-                       block_size=a.block_size, max_model_len=a.max_model_len,
-                       dtype=a.dtype, admin_port=a.admin_port, pool_shm=a.pool == "shm",
-                       policy=a.policy,
-                       conductor_args=("--disaggregate", a.disaggregate),
-                       enforce_eager=a.eager, worker_tls=a.worker_tls,
-                       allow_wildcard_binds=a.allow_wildcard_binds)
 
 
 def _gpus() -> int:
@@ -99,13 +110,36 @@ def _gpus() -> int:
         if out.returncode == 0 else 0
 
 
+_POLL_S = 0.25
+"""How often the launcher looks at its children: a dead conductor is started again this soon
+(the first time; `RestartPolicy`)."""
+
+
+def _banner(cluster: EmbeddedCluster) -> str:
+    """Where the cluster serves (every replica), a `curl` line and a `conductorctl` one."""
+    name = os.path.basename(cluster.spec.model.rstrip("/"))
+    wide = cluster.wide_listeners()
+    admin = cluster.admin_addrs
+    return (f"\nkvcluster is serving {name} at {', '.join(cluster.urls)}\n"
+            f"  shape: {cluster.describe_shape()}\n\n"
+            f"  curl {cluster.url}/v1/completions -H 'Content-Type: application/json' \\\n"
+            f"    -d '{{\"model\": \"{name}\", \"prompt\": \"The quick brown fox\", "
+            f"\"max_tokens\": 16, \"temperature\": 0}}'\n\n"
+            + (f"  listening beyond loopback ({loopback.OPT_OUT}): "
+               f"{sorted({f'{a}:{p}' for a, p, _ in wide})}\n\n" if wide else "")
+            + (f"  conductorctl --addr {admin[0]} instances   "
+               f"(token: {cluster.token_file})\n" if admin else "")
+            + (f"  admin APIs: {', '.join(admin)}\n" if len(admin) > 1 else "")
+            + ("\n" if admin else "")
+            + "Ctrl-C stops every process.")
+
+
 def main(argv: list[str] | None = None) -> int:
     from cluster.logging import configure
 
     spec = spec_from_args(argv)
     configure("launcher")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    model = spec.model
     cluster = EmbeddedCluster(spec)
     stop_on_signals()
     try:
@@ -115,21 +149,13 @@ def main(argv: list[str] | None = None) -> int:
         except loopback.LoopbackUnavailable as e:
             print(f"kvcluster: {e}", file=sys.stderr, flush=True)
             return 1
-        name = os.path.basename(model.rstrip("/"))
-        wide = cluster.wide_listeners()
-        print(f"\nkvcluster is serving {name} at {cluster.url}\n"
-              f"  shape: {cluster.describe_shape()}\n\n"
-              f"  curl {cluster.url}/v1/completions -H 'Content-Type: application/json' \\\n"
-              f"    -d '{{\"model\": \"{name}\", \"prompt\": \"The quick brown fox\", "
-              f"\"max_tokens\": 16, \"temperature\": 0}}'\n\n"
-              + (f"  listening beyond loopback ({loopback.OPT_OUT}): "
-                 f"{sorted({f'{a}:{p}' for a, p, _ in wide})}\n\n" if wide else "")
-              + (f"  conductorctl --addr {cluster.admin_addr} instances   "
-                 f"(token: {cluster.token_file})\n\n" if spec.admin_port >= 0 else "")
-              + "Ctrl-C stops every process.", flush=True)
+        print(_banner(cluster), flush=True)
         while True:
-            time.sleep(1.0)
+            time.sleep(_POLL_S)
             cluster._check_alive(restart=True)
+    except GaveUp as e:
+        print(f"kvcluster: {e}\nstopping ...", file=sys.stderr, flush=True)
+        return 1
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)
     finally:

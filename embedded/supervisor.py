@@ -19,6 +19,9 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
+QUICK_DEATHS = 5
+QUICK_S = 30
+
 
 class Child(Protocol):
     """What is supervised: a `cluster.process.ManagedProcess`, or a test's fake."""
@@ -39,10 +42,10 @@ class GaveUp(RuntimeError):
 
 @dataclass(frozen=True)
 class RestartPolicy:
-    quick_deaths: int = 5
+    quick_deaths: int = QUICK_DEATHS
     """Deaths in a row, each within `quick_s` of its start, after which the child is given up
     on (`GaveUp`)."""
-    quick_s: float = 30.0
+    quick_s: float = QUICK_S
     """A child that exits sooner than this after its start died quickly."""
     backoff_s: float = 0.5
     """The pause before the start that follows a first quick death, doubled for each further

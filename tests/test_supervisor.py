@@ -4,6 +4,8 @@ a hand-turned clock: no child process, no sleep."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from embedded.supervisor import GaveUp, RestartPolicy, Supervised
@@ -128,3 +130,35 @@ def test_stop_stops_the_child_and_nothing_is_started_after():
 def test_a_restart_policy_out_of_range_is_refused(kwargs):
     with pytest.raises(ValueError):
         RestartPolicy(**kwargs)
+
+
+@pytest.mark.parametrize("argv", [["--conductors", "0"], ["--conductor-restarts", "0"]])
+def test_the_launcher_refuses_bad_replica_settings_with_a_message(config_only_model, argv,
+                                                                  capsys):
+    from embedded import spec_from_args
+
+    with pytest.raises(SystemExit) as e:
+        spec_from_args(["--model", config_only_model, *argv])
+    assert e.value.code == 2
+    assert "must be at least 1" in capsys.readouterr().err
+
+
+def test_the_launcher_takes_replicas_and_restarts(config_only_model):
+    from embedded import spec_from_args
+
+    spec = spec_from_args(["--model", config_only_model, "--conductors", "2",
+                           "--conductor-restarts", "7"])
+    assert spec.conductors == 2 and spec.conductor_restarts.quick_deaths == 7
+
+
+def test_replica_ports_are_the_given_one_and_the_next_free_ones():
+    from cluster.ports import free_port, ports_from
+
+    base = free_port()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", base + 1))
+        busy.listen()
+        assert ports_from(base, 3, taken={base + 2}) == [base, base + 3, base + 4]
+    assert ports_from(base, 1) == [base]
+    drawn = ports_from(0, 3, taken={base})
+    assert len(set(drawn)) == 3 and base not in drawn
