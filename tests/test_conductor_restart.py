@@ -6,6 +6,8 @@ every start."""
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import re
 import shutil
@@ -18,6 +20,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import psutil
@@ -35,6 +38,7 @@ from embedded.supervisor import GaveUp, RestartPolicy
 class Launcher:
     proc: subprocess.Popen[str]
     urls: list[str]
+    run_dir: Path
     lines: list[str] = field(default_factory=list)
 
     def printed(self) -> str:
@@ -68,7 +72,7 @@ def launcher(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         assert banner.wait(300) and proc.poll() is None, "".join(lines[-30:])
         serving = next(ln for ln in lines if "kvcluster is serving" in ln)
         urls = re.findall(r"http://127\.0\.0\.1:\d+", serving)
-        yield Launcher(proc, urls, lines)
+        yield Launcher(proc, urls, run_dir / "run", lines)
         seen = _descendants(proc.pid)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=90) == 0, "".join(lines[-30:])
@@ -112,6 +116,19 @@ def _workers(launcher: Launcher) -> set[int]:
     return out
 
 
+def _registrations(launcher: Launcher) -> dict[str, tuple[str, str]]:
+    """Every worker's key in etcd: its (create revision, lease); the same pair later is the
+    same registration, never renewed or made again."""
+    etcd = json.loads((launcher.run_dir / "workers.json").read_text())["etcd"]
+    def b64(text: str) -> str:
+        return base64.b64encode(text.encode()).decode()
+
+    reply = httpx.post(f"http://{etcd}/v3/kv/range", timeout=10, json={
+        "key": b64("/kvcluster/instances/"), "range_end": b64("/kvcluster/instances0")}).json()
+    return {base64.b64decode(kv["key"]).decode(): (kv["create_revision"], kv["lease"])
+            for kv in reply.get("kvs", [])}
+
+
 def _healthy(url: str) -> bool:
     try:
         return httpx.get(f"{url}/health", timeout=2).status_code == 200
@@ -134,8 +151,8 @@ def test_two_replicas_serve_the_one_cluster(launcher: Launcher):
 @pytest.mark.engine
 def test_a_conductor_killed_mid_stream_closes_it_and_is_back(launcher: Launcher):
     url, other = launcher.urls
-    workers = _workers(launcher)
-    assert workers
+    workers, registered = _workers(launcher), _registrations(launcher)
+    assert workers and registered
     old = _conductor_pid(launcher, url)
     assert old is not None
     body = {"prompt": "Once upon a time", "max_tokens": 1500, "temperature": 0,
@@ -168,6 +185,7 @@ def test_a_conductor_killed_mid_stream_closes_it_and_is_back(launcher: Launcher)
     assert r.status_code == 200, r.text
     assert _workers(launcher) == workers  # not one worker or engine process started again
     assert all(_alive(p) for p in workers)
+    assert _registrations(launcher) == registered
     assert launcher.proc.poll() is None
     assert "child_restarted" in launcher.printed()  # the launcher's restart, not another
     print(f"stream closed {closed:.2f}s after the kill; conductor healthy again after "
