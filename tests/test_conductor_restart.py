@@ -178,6 +178,9 @@ def test_a_conductor_killed_mid_stream_closes_it_and_is_back(launcher: Launcher)
     assert "data: [DONE]" not in chunks  # the stream ended broken, not as a success
 
     assert _complete(other).status_code == 200  # the other replica serves meanwhile
+    worker_log = launcher.run_dir / "both-0.log"  # and the engine stopped the stream's work
+    wait_until(lambda: "request_aborted" in worker_log.read_text(errors="replace"),
+               timeout=10.0, interval=0.2, what="the dead conductor's stream aborted")
     back = wait_until(lambda: _conductor_pid(launcher, url) not in (None, old)
                       and _healthy(url), timeout=30.0, interval=0.2,
                       what="the killed conductor back and healthy")
