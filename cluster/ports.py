@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import random
 import socket
+from collections.abc import Collection
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -40,6 +41,33 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
                 s.bind((host, 0))
                 ports.append(s.getsockname()[1])
         return ports
+
+
+def ports_from(first: int, n: int, taken: Collection[int] = (), host: str = "127.0.0.1"
+               ) -> list[int]:
+    """`first` and the `n - 1` next ports above it free on `host` now and not in `taken`
+    (`first` itself as given, unchecked: its server says if it is busy). `first` 0: `n` free
+    ports (`free_ports`) none of them in `taken`."""
+    if not first:
+        return [p for p in free_ports(n + len(taken), host) if p not in taken][:n]
+    ports = [first]
+    port = first
+    while len(ports) < n:
+        port += 1
+        if port >= 65536:
+            raise OSError(f"no {n} free ports from {first} up")
+        if port not in taken and _bindable(host, port):
+            ports.append(port)
+    return ports
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 _FIXED_RANGE = (20000, 32767)

@@ -15,12 +15,18 @@
 #   KVCLUSTER_WORKER_TLS       1: call the workers over mutual TLS; makes the plane's CA and
 #                              certificates when missing: copy that directory to every
 #                              worker node                   ($KVCLUSTER_STATE_DIR/worker-tls)
+#   KVCLUSTER_REPLICA          another conductor of a cluster that has one (any number serve
+#                              one etcd): its service is conductor-$KVCLUSTER_REPLICA (pid file,
+#                              log), and it never makes the secret or the TLS files: copy
+#                              them from the first conductor's node                    (unset)
 # Any other conductor setting passes through as KVCLUSTER_CONDUCTOR_<FIELD> (see
 # `python -m conductor --help`), e.g. KVCLUSTER_CONDUCTOR_POLICY, KVCLUSTER_CONDUCTOR_API_KEY.
 # Shared settings: deploy/common.sh.
 source "$(dirname "$0")/common.sh"
 need_model
 PORT="${KVCLUSTER_PORT:-8000}"
+NAME="conductor${KVCLUSTER_REPLICA:+-$KVCLUSTER_REPLICA}"
+MAKE="$([ -z "${KVCLUSTER_REPLICA:-}" ] && echo make || true)"
 ADMIN_HOST="${KVCLUSTER_ADMIN_HOST:-127.0.0.1}"
 ADMIN_PORT="${KVCLUSTER_ADMIN_PORT:-8001}"
 TOKEN_FILE="${KVCLUSTER_ADMIN_TOKEN_FILE:-$STATE_DIR/admin.token}"
@@ -33,14 +39,14 @@ if [ ! -s "$TOKEN_FILE" ]; then
 fi
 chmod 600 "$TOKEN_FILE" 2>/dev/null || echo "warning: cannot chmod 600 $TOKEN_FILE" >&2
 export KVCLUSTER_CONDUCTOR_ADMIN_TOKEN_FILE="$TOKEN_FILE"
-need_secret make
+need_secret "$MAKE"
 export KVCLUSTER_CONDUCTOR_SECRET_FILE="$SECRET_FILE"
 etcd_access KVCLUSTER_CONDUCTOR_ETCD_ACCESS_FILE
-worker_tls KVCLUSTER_CONDUCTOR_TLS_DIR make
+worker_tls KVCLUSTER_CONDUCTOR_TLS_DIR "$MAKE"
 export KVCLUSTER_CONDUCTOR_ADMIN_HOST="$ADMIN_HOST"
 export KVCLUSTER_CONDUCTOR_ADMIN_PORT="$ADMIN_PORT"
 
-start_once conductor "$PY" -m conductor --model "$MODEL" --etcd "$ETCD" \
+start_once "$NAME" "$PY" -m conductor --model "$MODEL" --etcd "$ETCD" \
   --host "$HOST" --port "$PORT"
 echo "endpoint: http://$ADVERTISE_HOST:$PORT/v1"
 if [ "$ADMIN_PORT" != 0 ]; then

@@ -1,3 +1,3 @@
-from embedded.launcher import main
+from embedded.command import main
 
 raise SystemExit(main())

@@ -1,23 +1,21 @@
 """The embedded single-machine cluster: etcd, the Mooncake master, prefill and decode workers,
 and the conductor, each a child process in its own process group, all on loopback.
 
-`python -m embedded` (what `make run` calls) starts it, prints the endpoint and a
-`curl` line, and stops every child on Ctrl-C. Tests use the same class, so the tests and the
-user run one code path.
+`python -m embedded` (what `make run` calls, `embedded.command`) starts it, prints the
+endpoints and a `curl` line, keeps it running and stops every child on Ctrl-C. Tests use the
+same class, so the tests and the user run one code path.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import logging
 import os
 import secrets
 import signal
-import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,15 +29,14 @@ from cluster.engine_spec import EngineSpec
 from cluster.etcd_server import EtcdServer
 from cluster.instance import cpu_list, format_cpu_list
 from cluster.plane_tls import PlaneTLS
-from cluster.ports import free_port
+from cluster.ports import ports_from
 from cluster.process import ManagedProcess, children_on
 from cluster.secret import ClusterSecret, bind
 from cluster.shape import Shape
-from cluster.signals import stop_on_signals
 from cluster.workers import WorkerSpec
+from embedded.supervisor import RestartPolicy, Supervised
 from protos import worker_pb2_grpc
 from store.master import StoreClientService, StoreMaster
-from worker.dtype import DTYPES
 
 log = structlog.get_logger(__name__)
 
@@ -74,6 +71,14 @@ class ClusterSpec(EngineSpec):
     processes can stall for the pool's 5 s timeout under a burst (docs/design.md, "On one
     host, shared memory, not TCP")."""
     conductor_args: tuple[str, ...] = ()
+    conductors: int = 1
+    """Conductor replicas, all serving this cluster (the same etcd, workers, cluster secret
+    and admin token): each on its own ports, `http_port` and the next free ones above it
+    (`admin_port` likewise). Replica 0 alone starts worker processes for `ResizePool` (two
+    would name theirs alike); the others' `resize` only drains, undrains and switches."""
+    conductor_restarts: RestartPolicy = field(default_factory=RestartPolicy)
+    """How a conductor that exits is started again (`embedded.supervisor`): by the loop of
+    `python -m embedded`, or `EmbeddedCluster._check_alive(restart=True)`."""
     step_target_ms: float = field(init=False, default=0.0)
     """How long its engines' steps beside streams may take: a share of the TBT SLO the
     conductor will hold decodes to, read once as the conductor reads its settings (its flags
@@ -95,6 +100,8 @@ class ClusterSpec(EngineSpec):
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 0 or self.both < 0:
             raise ValueError("worker counts must be non-negative")
+        if self.conductors < 1:
+            raise ValueError(f"conductors must be at least 1, got {self.conductors}")
         if not os.path.isdir(self.model):
             raise ValueError(f"model must be a local model directory: {self.model!r}")
         if self.shape is None:
@@ -139,9 +146,11 @@ class EmbeddedCluster:
     master: StoreMaster | None = None
     store_client: StoreClientService | None = None
     workers: dict[str, WorkerProcess] = field(default_factory=dict)
-    conductor: ManagedProcess | None = None
-    http_port: int = 0
-    admin_port: int = 0
+    conductors: list[Supervised] = field(default_factory=list)
+    """The conductor replicas, in the order of `http_ports`."""
+    http_ports: list[int] = field(default_factory=list)
+    admin_ports: list[int] = field(default_factory=list)
+    """Empty with the admin API off."""
     admin_token: str = ""
     _counter: dict[str, int] = field(default_factory=dict)
     _restarts: int = 0
@@ -156,8 +165,29 @@ class EmbeddedCluster:
             self._machine_cpus = format_cpu_list(os.sched_getaffinity(0))
 
     @property
+    def conductor(self) -> ManagedProcess | None:
+        """Replica 0's process now (another after a restart)."""
+        child = self.conductors[0].child if self.conductors else None
+        assert child is None or isinstance(child, ManagedProcess)
+        return child
+
+    @property
+    def http_port(self) -> int:
+        """Replica 0's (`url`); 0 before the start."""
+        return self.http_ports[0] if self.http_ports else 0
+
+    @property
+    def admin_port(self) -> int:
+        return self.admin_ports[0] if self.admin_ports else 0
+
+    @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def urls(self) -> list[str]:
+        """Every replica's endpoint, replica 0's (`url`) first."""
+        return [f"http://127.0.0.1:{p}" for p in self.http_ports]
 
     def describe_shape(self) -> str:
         assert self.spec.shape is not None
@@ -166,6 +196,10 @@ class EmbeddedCluster:
     @property
     def admin_addr(self) -> str:
         return f"127.0.0.1:{self.admin_port}"
+
+    @property
+    def admin_addrs(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.admin_ports]
 
     @property
     def token_file(self) -> Path:
@@ -233,8 +267,9 @@ class EmbeddedCluster:
         beyond loopback."""
         servers = (self.etcd, self.master, self.store_client)
         roots = [s.pid for s in servers if s is not None and s.pid is not None]
-        roots += [p.pid for p in (*(w.process for w in self.workers.values()), self.conductor)
-                  if p is not None and p.proc is not None]
+        roots += [p.pid for p in (*(w.process for w in self.workers.values()),
+                                  *(c.child for c in self.conductors))
+                  if isinstance(p, ManagedProcess) and p.proc is not None]
         pids = set(roots)
         for pid in roots:
             with contextlib.suppress(psutil.Error):
@@ -279,7 +314,7 @@ class EmbeddedCluster:
         log.info("cluster_shape", shape=s.shape.describe())
         for engine in s.shape.engines:
             self.start_worker(engine.role, engine)
-        self.start_conductor()
+        self.start_conductors()
 
     def _fresh_control_state(self) -> None:
         """A new cluster starts from its configuration: the control state an earlier one left
@@ -312,36 +347,62 @@ class EmbeddedCluster:
         else:
             wp.process.stop(timeout=20.0)
 
-    def start_conductor(self) -> ManagedProcess:
+    def start_conductors(self) -> list[Supervised]:
+        """Every replica (`ClusterSpec.conductors`), on ports chosen now (the first ones as
+        the spec gives them), each `Supervised`."""
+        s = self.spec
+        if not self.http_ports:
+            admin_given = {s.admin_port} if s.admin_port > 0 else set()
+            self.http_ports = ports_from(s.http_port, s.conductors, taken=admin_given)
+            if s.admin_port >= 0:
+                self.admin_ports = ports_from(s.admin_port, s.conductors,
+                                              taken=set(self.http_ports))
+        argv, env = self._conductor_command()
+        for i, port in enumerate(self.http_ports):
+            name = "conductor" if i == 0 else f"conductor-{i}"
+            command = [*argv, "--port", str(port)]
+            if self.admin_ports:
+                command += ["--admin-port", str(self.admin_ports[i])]
+                if i == 0:  # ResizePool's processes: one replica starts them (`provision`)
+                    command += ["--embedded-workers", str(self.run_dir / "workers.json")]
+            command += list(s.conductor_args)
+            replica = Supervised(name, self._starter(name, command, env), s.conductor_restarts)
+            replica.start()
+            self.conductors.append(replica)
+        return self.conductors
+
+    def _starter(self, name: str, argv: list[str], env: dict[str, str]
+                 ) -> Callable[[], ManagedProcess]:
+        """How a replica is started, each time: on the conductor's cores (`Shape`)."""
+        assert self.spec.shape is not None
+        cpus = cpu_list(self.spec.shape.conductor_home)
+
+        def start() -> ManagedProcess:
+            with children_on(cpus):
+                return ManagedProcess(name, argv, self.run_dir / f"{name}.log", env=env).start()
+        return start
+
+    def _conductor_command(self) -> tuple[list[str], dict[str, str]]:
+        """What every replica runs (without its ports) and its environment; the files they
+        share (the admin token, the workers' spec) are made here."""
         assert self.etcd is not None
         s = self.spec
-        self.http_port = self.http_port or s.http_port or free_port()
         argv = [sys.executable, "-m", "conductor", "--model", s.model,
-                "--etcd", self.etcd.endpoint, "--port", str(self.http_port),
-                "--policy", s.policy]
+                "--etcd", self.etcd.endpoint, "--policy", s.policy]
         if self.master is not None:
             argv += ["--pool-keys-url", self.master.metrics_url.rsplit("/", 1)[0]]
         env = dict(os.environ)
         env["KVCLUSTER_CONDUCTOR_SECRET_FILE"] = str(self.secret_file)
         if self.tls_dir is not None:
             env["KVCLUSTER_CONDUCTOR_TLS_DIR"] = str(self.tls_dir)
-        if s.admin_port >= 0:
-            self.admin_port = self.admin_port or s.admin_port or free_port()
+        if self.admin_ports:
             if not self.admin_token:
                 self.admin_token = secrets.token_urlsafe(32)
                 self.token_file.touch(mode=0o600)
                 self.token_file.write_text(self.admin_token + "\n")
-            spec_file = self.run_dir / "workers.json"
-            self.worker_spec().save(spec_file)
-            argv += ["--admin-port", str(self.admin_port),
-                     "--embedded-workers", str(spec_file)]
+            self.worker_spec().save(self.run_dir / "workers.json")
             env["KVCLUSTER_CONDUCTOR_ADMIN_TOKEN_FILE"] = str(self.token_file)
-        argv += list(s.conductor_args)
-        assert s.shape is not None
-        with children_on(cpu_list(s.shape.conductor_home)):
-            self.conductor = ManagedProcess("conductor", argv, self.run_dir / "conductor.log",
-                                            env=env).start()
-        return self.conductor
+        return argv, env
 
     def wait_ready(self, timeout: float = 240.0) -> None:
         """Until /health says every engine started is routable (or a child died): /health
@@ -365,7 +426,9 @@ class EmbeddedCluster:
     def _check_alive(self, restart: bool = False) -> None:
         """Raise if a child died; a worker that exited cleanly was retired (ResizePool).
         `restart`: a worker that failed (its engine died) is replaced by a new one in its
-        place, up to `WORKER_RESTARTS` times in the cluster's life."""
+        place, up to `WORKER_RESTARTS` times in the cluster's life, and a conductor that
+        exited is started again (`ClusterSpec.conductor_restarts`; `GaveUp` when it keeps
+        dying); the workers are left as they are meanwhile."""
         for iid, w in list(self.workers.items()):
             if w.process.alive():
                 continue
@@ -379,18 +442,24 @@ class EmbeddedCluster:
                             restarts=self._restarts, log_tail=w.process.tail(10))
                 del self.workers[iid]
                 self.start_worker(w.role, w.engine)
-        procs = [w.process for w in self.workers.values()]
-        if self.conductor is not None:
-            procs.append(self.conductor)
-        for p in procs:
+        for replica in self.conductors:
+            if restart:
+                replica.poll()
+            elif replica.child is not None and not replica.child.alive():
+                raise RuntimeError(f"{replica.name} exited; last log lines:\n"
+                                   f"{replica.child.tail()}")
+        for p in (w.process for w in self.workers.values()):
             if not p.alive():
                 raise RuntimeError(f"{p.name} exited; last log lines:\n{p.tail()}")
 
     def stop(self) -> None:
-        """Stop everything, conductor first, store and etcd last. Safe to call twice."""
-        if self.conductor is not None:
-            self.conductor.stop(timeout=10.0)
-            self.conductor = None
+        """Stop everything, conductors first, store and etcd last. Safe to call twice."""
+        conductors, self.conductors = self.conductors, []
+        for replica in conductors:  # in parallel, as the workers
+            if replica.child is not None and isinstance(replica.child, ManagedProcess):
+                replica.child.signal_group(signal.SIGTERM)
+        for replica in conductors:
+            replica.stop(timeout=10.0)
         workers = list(self.workers.values())
         self.workers.clear()
         for wp in workers:  # in parallel: each drains and shuts its engine down
@@ -412,129 +481,3 @@ class EmbeddedCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvcluster", description="Run the embedded cluster.")
-    p.add_argument("--model", default=os.environ.get("KVCLUSTER_MODEL", ""),
-                   help="local HF model directory (default: the built-in tiny model)")
-    p.add_argument("--port", type=int, default=int(os.environ.get("KVCLUSTER_PORT", "8000")))
-    p.add_argument("--prefill", type=int, default=None,
-                   help="prefill engines (with --decode/--both: this shape instead of the one "
-                   "chosen for the machine)")
-    p.add_argument("--decode", type=int, default=None, help="decode engines")
-    p.add_argument("--both", type=int, default=None,
-                   help="engines in the both role (the conductor decides per request)")
-    p.add_argument("--disaggregate", choices=("auto", "always", "never"), default="auto",
-                   help="kv_centric: prefill on another engine per the models (auto), "
-                   "whenever possible (always), or never")
-    p.add_argument("--policy", default="kv_centric")
-    p.add_argument("--eager", action="store_true",
-                   help="engines in eager mode: up in ~20 s instead of ~60 s, each step slower")
-    p.add_argument("--step-tokens", type=int, default=None,
-                   help="tokens a CPU engine that decodes computes per step (vLLM's "
-                   "max_num_batched_tokens): a prompt is prefilled in chunks between its "
-                   f"streams' tokens (default: {shape.STEP_TOKENS_PER_THREAD} per thread; 0: "
-                   "vLLM's 2048)")
-    p.add_argument("--etcd-port", type=int, default=0)
-    p.add_argument("--store-rpc-port", type=int, default=0)
-    p.add_argument("--store-metadata-port", type=int, default=0)
-    p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="the engines' dtype (auto: as vllm serve picks it, bfloat16 on a CPU "
-                   "that has it)")
-    p.add_argument("--admin-port", type=int,
-                   default=int(os.environ.get("KVCLUSTER_ADMIN_PORT", "8001")),
-                   help="the conductor's admin API on 127.0.0.1 (0: a free port, -1: off)")
-    p.add_argument("--run-dir", default=os.environ.get("KVCLUSTER_RUN_DIR", "run"))
-    p.add_argument("--pool", choices=("shm", "tcp"),
-                   default=os.environ.get("KVCLUSTER_POOL", "shm"),
-                   help="the pool's transport: one mooncake_client's shared memory (memcpy; "
-                   "the default on one host) or each engine's TCP segment (as across hosts)")
-    p.add_argument("--worker-tls", action="store_true",
-                   default=os.environ.get("KVCLUSTER_WORKER_TLS", "") == "1",
-                   help="the conductor's calls to the workers over mutual TLS (certificates "
-                   "made in <run-dir>/worker-tls)")
-    p.add_argument(loopback.OPT_OUT, action="store_true",
-                   default=os.environ.get("KVCLUSTER_ALLOW_WILDCARD_BINDS", "") == "1",
-                   help="start even where Mooncake's servers cannot be kept on 127.0.0.1 (no "
-                   "C compiler for the bind shim, cluster/loopback.py): they then listen on "
-                   "every address. Without it such a start is refused")
-    return p
-
-
-def spec_from_args(argv: list[str] | None = None) -> ClusterSpec:
-    """The cluster `python -m embedded ARGV` (and so `make run`) starts."""
-    from tinymodel.builder import ensure_model
-
-    a = parser().parse_args(argv)
-    model = a.model or str(ensure_model())
-    try:
-        plan = shape.choose(shape.machine_cores(), _gpus(), a.prefill, a.decode, a.both,
-                            a.step_tokens)
-    except ValueError as e:
-        parser().error(str(e))
-    return ClusterSpec(model=model, prefill=plan.count("prefill"), decode=plan.count("decode"),
-                       both=plan.count("both"), shape=plan, http_port=a.port,
-                       etcd_port=a.etcd_port, store_rpc_port=a.store_rpc_port,
-                       store_metadata_port=a.store_metadata_port, run_dir=a.run_dir,
-                       block_size=a.block_size, max_model_len=a.max_model_len,
-                       dtype=a.dtype, admin_port=a.admin_port, pool_shm=a.pool == "shm",
-                       policy=a.policy,
-                       conductor_args=("--disaggregate", a.disaggregate),
-                       enforce_eager=a.eager, worker_tls=a.worker_tls,
-                       allow_wildcard_binds=a.allow_wildcard_binds)
-
-
-def _gpus() -> int:
-    """GPUs `nvidia-smi` sees (as the Makefile decides which vLLM build to install)."""
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return sum(line.startswith("GPU ") for line in out.stdout.splitlines()) \
-        if out.returncode == 0 else 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    from cluster.logging import configure
-
-    spec = spec_from_args(argv)
-    configure("launcher")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    model = spec.model
-    cluster = EmbeddedCluster(spec)
-    stop_on_signals()
-    try:
-        print(f"starting the embedded cluster (logs in {cluster.run_dir}/) ...", flush=True)
-        try:
-            cluster.start()
-        except loopback.LoopbackUnavailable as e:
-            print(f"kvcluster: {e}", file=sys.stderr, flush=True)
-            return 1
-        name = os.path.basename(model.rstrip("/"))
-        wide = cluster.wide_listeners()
-        print(f"\nkvcluster is serving {name} at {cluster.url}\n"
-              f"  shape: {cluster.describe_shape()}\n\n"
-              f"  curl {cluster.url}/v1/completions -H 'Content-Type: application/json' \\\n"
-              f"    -d '{{\"model\": \"{name}\", \"prompt\": \"The quick brown fox\", "
-              f"\"max_tokens\": 16, \"temperature\": 0}}'\n\n"
-              + (f"  listening beyond loopback ({loopback.OPT_OUT}): "
-                 f"{sorted({f'{a}:{p}' for a, p, _ in wide})}\n\n" if wide else "")
-              + (f"  conductorctl --addr {cluster.admin_addr} instances   "
-                 f"(token: {cluster.token_file})\n\n" if spec.admin_port >= 0 else "")
-              + "Ctrl-C stops every process.", flush=True)
-        while True:
-            time.sleep(1.0)
-            cluster._check_alive(restart=True)
-    except KeyboardInterrupt:
-        print("\nstopping ...", flush=True)
-    finally:
-        cluster.stop()
-        print("stopped.", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

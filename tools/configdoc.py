@@ -3,7 +3,7 @@
 A field's docstring exists only in the source (Python keeps no attribute docstrings), so the
 config classes are read with `ast`, as vLLM generates its own config reference: every field
 with its type, default, flag, `KVCLUSTER_*` variable and docstring; then the embedded
-launcher's flags (`embedded/launcher.py`, `parser()`), and the other `KVCLUSTER_*` variables
+launcher's flags (`embedded/command.py`, `parser()`), and the other `KVCLUSTER_*` variables
 the product code reads. Nothing is imported, so the reference does not depend on the machine
 or its environment. `--check` exits 1 when the file differs from what the source gives
 (tests/test_configdoc.py runs the same comparison).
@@ -181,8 +181,8 @@ def _fields(root: Path, src: Source) -> tuple[list[Field], set[str], str]:
 
 
 def _launcher_flags(root: Path) -> list[tuple[str, str, str, str]]:
-    """(flag, environment variable, default, help) of `embedded/launcher.py`'s `parser()`."""
-    path, tree = _module(root, "embedded/launcher.py")  # type: ignore[misc]
+    """(flag, environment variable, default, help) of `embedded/command.py`'s `parser()`."""
+    path, tree = _module(root, "embedded/command.py")  # type: ignore[misc]
     func = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "parser")
     rows = []
     for call in ast.walk(func):
@@ -307,7 +307,7 @@ def render(root: Path = ROOT) -> str:
                        + (f.doc or "*Undocumented.*"))
         out.append("")
     out += ["## Embedded launcher (`python -m embedded`, `make run`)", "",
-            "`embedded/launcher.py`'s flags; `make run ARGS=\"...\"` passes them, `make run "
+            "`embedded/command.py`'s flags; `make run ARGS=\"...\"` passes them, `make run "
             "PORT=9000` and `MODEL=dir` set `--port` and `--model`. The conductor and the "
             "workers it starts take every other setting from the environment above "
             "(`KVCLUSTER_CONDUCTOR_<FIELD>`, `KVCLUSTER_WORKER_<FIELD>`).", "",
