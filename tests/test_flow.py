@@ -242,3 +242,15 @@ def test_tenant_limits_change_at_run_time_through_the_admin_api(model_dir, tmp_p
         with pytest.raises(SystemExit):
             ctl([*addr, "tenant", "a", "--priority", "urgent"])
         assert ctl([*addr, "tenants"]) == 0
+
+
+def test_a_client_cannot_loosen_the_operators_slo_unless_its_tenant_may(model_dir, tmp_path):
+    """The operator's TTFT SLO is out of any prompt's reach: asking for an hour in the body
+    does not switch load shedding off, except for a tenant the operator lets loosen it."""
+    loose = {"ttft_slo_ms": 3_600_000, "tbt_slo_ms": 3_600_000}
+    with _tenant_conductor(model_dir, tmp_path, "[tenants.b]\nmay_loosen_slo = true\n",
+                           "--ttft-slo-s", "0.000001") as c:
+        plain, asked = _post(c.url, "key-a"), _post(c.url, "key-a", **loose)
+        allowed = _post(c.url, "key-b", **loose)
+    assert plain.status_code == 429 and asked.status_code == 429, asked.text
+    assert allowed.status_code == 200, allowed.text
