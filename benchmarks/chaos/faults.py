@@ -251,9 +251,16 @@ class Chaos:
         self.stalled_engines.append(iid)
         self.event("stall_engine", "SIGSTOP", f"{iid}'s engine core pid {core} ({load})")
         t0 = time.monotonic()
-        found = wait_until(lambda: iid not in self.admin.serving(), 60, every=0.1,
-                           stop=self.stop)
-        self.event("stall_engine", "shown_unhealthy" if found else "still_serving",
+        left = wait_until(lambda: iid not in self.admin.serving(), 60, every=0.1,
+                          stop=self.stop)
+        self.event("stall_engine", "out_of_routing" if left else "still_serving",
+                   f"{iid} after {time.monotonic() - t0:.1f}s")
+
+        def stalled() -> bool:  # its own watchdog's verdict, not a breaker's
+            inst = self.admin.instances().get(iid)
+            return inst is not None and inst.why == "stalled"
+        found = wait_until(stalled, 60, every=0.1, stop=self.stop)
+        self.event("stall_engine", "shown_stalled" if found else "not_shown_stalled",
                    f"{iid} after {time.monotonic() - t0:.1f}s")
         self.stop.wait(STALL_ENGINE_AFTER_S)
         os.kill(core, signal.SIGCONT)
