@@ -79,7 +79,9 @@ def kv_centric(snap: ClusterSnapshot, req: RouteRequest) -> Route | Reject | Non
             routes.append(route)
     local = prm.disaggregate != "always" or not pairs
     if local:
-        route = choose_local(pr)
+        # a local route is chosen over a disaggregated one within the SLO only if it costs less
+        cap = routes[0].cost_s if routes and routes[0].predicted_ttft_s <= ttft_slo else _INF
+        route = choose_local(pr, cap)
         if route is not None:
             routes.append(route)
     if not routes:

@@ -16,8 +16,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from operator import itemgetter
 
-from conductor.scheduler.orders import SOON
-from conductor.scheduler.policies.kv_price import DecodeBest, Prices
+from conductor.scheduler.policies.kv_price import DecodeBest, Prices, fits
 from conductor.scheduler.snapshot import InstanceLoad
 
 _key = itemgetter(0)
@@ -31,46 +30,55 @@ def choose_decode(pr: Prices, p: InstanceLoad, arrive: float, save: float, cost:
     snap = pr.snap
     orders, decode, rows = snap.orders(), snap.decode(), snap.decode_rows()
     skip = snap.decode_position(p.instance_id)
+    tm, local = pr.prm.tbt, pr.local
+    tbt_base, tbt_slo = pr.decode_base(pull=False), pr.tbt_slo
+    seqs = pr.req.sequences
+    kv_need = pr.n + pr.req.max_tokens * seqs
+    pulls: dict[int, float] = {}
+
+    def bound(pos: int) -> float:
+        """Its TBT and pull, exact: its score less the stall and the wait (inf: it cannot
+        take the request)."""
+        load_s, room, fin, iid, d = rows[pos]
+        done = bisect_right(fin, arrive) if fin and fin[0] <= arrive else 0
+        tbt = tbt_base + load_s - tm.per_seq_s * done
+        if tbt > tbt_slo or room < kv_need or not fits(d, d.running - done, seqs):
+            return _INF
+        hit = local.get(iid, 0) if local else 0
+        pull = pulls.get(hit)
+        if pull is None:
+            pull = pulls[hit] = _pull(pr, hit)
+        return tbt + pull
+
+    # one by one, the lowest bound first: more than SOON streams ending before the prefill
+    # does, on the prefill's host (their stalls), the longest hits (their pulls)
     late = orders.decode_late
-    priced = {pos for _, pos in late[:bisect_right(late, arrive, key=_key)]}
+    apart = {pos for _, pos in late[:bisect_right(late, arrive, key=_key)]}
     if p.host:
-        priced.update(orders.decode_hosts.get(p.host, ()))
-    priced.discard(skip)  # type: ignore[arg-type]
-    best: DecodeBest | None = None
-    for pos in priced:
-        best = _better(best, pr.decode(decode[pos], pos, rows[pos], p, arrive, save, cost))
-    tbt_base, per_seq = pr.decode_base(pull=False), max(pr.prm.tbt.per_seq_s, 0.0)
-    local = pr.local
-    # the longest hits pull least: each by its own bound, the lowest first
-    bounds = []
+        apart.update(orders.decode_hosts.get(p.host, ()))
     for iid, hit in pr.high.items():
         pos = snap.decode_position(iid)
-        if hit and pos is not None and pos != skip and pos not in priced:
-            load_s, fin = rows[pos][0], rows[pos][2]
-            bounds.append((tbt_base + (load_s - per_seq * min(SOON, len(fin)))
-                           + _pull(pr, hit), pos))
-    high = {pos for _, pos in bounds}
-    for bound, pos in sorted(bounds):
-        if best is not None and not pr.may_beat(bound, best[0]):
+        if hit and pos is not None:
+            apart.add(pos)
+    apart.discard(skip)  # type: ignore[arg-type]
+    best: DecodeBest | None = None
+    ceiling = _INF
+    for b, pos in sorted((bound(pos), pos) for pos in apart):
+        if b == _INF or best is not None and (b, pos) > best[:2]:
             break
-        best = _better(best, pr.decode(decode[pos], pos, rows[pos], p, arrive, save, cost))
+        new = _better(best, pr.decode(decode[pos], pos, rows[pos], p, arrive, save, cost))
+        if new is not best:
+            best, ceiling = new, pr.ceiling(new[0])  # type: ignore[index]
     # the rest by `decode_tbt`, their pulls no shorter than the longest hit among them allows
-    least, ceiling = tbt_base + _pull(pr, pr.rest_hit), _INF
-    pulls: dict[int, float] = {}
-    if best is not None:
-        ceiling = pr.ceiling(best[0])
+    least = tbt_base + _pull(pr, pr.rest_hit)
     for key, pos in orders.decode_tbt:
         if least + key > ceiling:
             break
-        if pos == skip or pos in priced or pos in high:
+        if pos == skip or pos in apart:
             continue
-        if local and ceiling < _INF:
-            hit = local.get(decode[pos].instance_id, 0)
-            pull = pulls.get(hit)
-            if pull is None:
-                pull = pulls[hit] = _pull(pr, hit)
-            if tbt_base + key + pull > ceiling:
-                continue
+        b = bound(pos)  # computed as the score is, less terms >= 0: exact, ties and all
+        if b == _INF or best is not None and (b, pos) > best[:2]:
+            continue
         new = _better(best, pr.decode(decode[pos], pos, rows[pos], p, arrive, save, cost))
         if new is not best:
             best, ceiling = new, pr.ceiling(new[0])  # type: ignore[index]

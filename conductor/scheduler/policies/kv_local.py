@@ -26,18 +26,22 @@ _key = itemgetter(0)
 _INF = float("inf")
 
 
-def choose_local(pr: Prices) -> Route | None:
+def choose_local(pr: Prices, cap: float = _INF) -> Route | None:
+    """The chosen local route, or None when no instance can take the request; with a `cap`,
+    possibly None as well when none would cost less than `cap`."""
     snap, now = pr.snap, pr.now
     orders, decode = snap.orders(), snap.decode()
     bs = decode[0].block_size
     pool = min(pr.req.match.pool, loadable_blocks(pr.n, bs))
     if orders.decode_odd_block or not pr.pruning or orders.decode_speed[0][0] < 0.0:
-        return _first_lowest((pos, pr.local_route(d)) for pos, d in enumerate(decode))
+        best, best_pos = _first_lowest((pos, pr.local_price(d)) for pos, d in enumerate(decode))
+        return None if best is None else pr.route(decode[best_pos], best)
     first = orders.decode_first
     priced = set(orders.decode_side)
     priced.update(pos for _, pos in first[:bisect_right(first, now, key=_key)])
-    best = _first_lowest((pos, pr.local_route(decode[pos])) for pos in priced)
-    best_pos = snap.decode_position(best.prefill_id) if best is not None else -1
+    best, best_pos = _first_lowest((pos, pr.local_price(decode[pos])) for pos in priced)
+    if cap < _INF and (best is None or best[0] >= cap):  # only one cheaper matters
+        best, best_pos = (cap,), -1
     loadable, local = loadable_blocks(pr.n, bs), pr.local
 
     def bound(pos: int, hit: int) -> float:
@@ -54,9 +58,9 @@ def choose_local(pr: Prices) -> Route | None:
         if blocks and pos is not None and pos not in priced:
             high[pos] = bound(pos, min(blocks, loadable))
     for pos in sorted(high, key=high.__getitem__):
-        if best is not None and not pr.may_beat(high[pos], best.cost_s):
+        if best is not None and not pr.may_beat(high[pos], best[0]):
             break
-        best, best_pos = _lower(best, best_pos, pr.local_route(decode[pos]), pos)
+        best, best_pos = _lower(best, best_pos, pr.local_price(decode[pos]), pos)
     # the rest by threshold, walking `decode_busy` and `decode_wait` side by side
     rest = min(pr.rest_hit, loadable)
     c_rest = pr.model_cost(max(rest, pool), bs, local=True)
@@ -68,7 +72,7 @@ def choose_local(pr: Prices) -> Route | None:
         queue = max(busy[a][0] - now, 0.0)
         per_s = wait[w][0]
         if best is not None and not pr.may_beat(queue + pull_rest + c_rest * per_s,
-                                                best.cost_s):
+                                                best[0]):
             break
         # step the order whose next key raises the threshold more
         gain_a = max(busy[a + 1][0] - now, 0.0) - queue if a + 1 < len(busy) else _INF
@@ -83,24 +87,24 @@ def choose_local(pr: Prices) -> Route | None:
             continue
         seen.add(pos)
         if best is not None and not pr.may_beat(bound(pos, min(local.get(
-                decode[pos].instance_id, 0), loadable) if local else 0), best.cost_s):
+                decode[pos].instance_id, 0), loadable) if local else 0), best[0]):
             continue
-        best, best_pos = _lower(best, best_pos, pr.local_route(decode[pos]), pos)
-    return best
+        best, best_pos = _lower(best, best_pos, pr.local_price(decode[pos]), pos)
+    return None if best is None or best_pos < 0 else pr.route(decode[best_pos], best)
 
 
-def _lower(best: Route | None, best_pos: int, route: Route | None, pos: int
-           ) -> tuple[Route | None, int]:
+def _lower(best: tuple | None, best_pos: int, price: tuple | None, pos: int
+           ) -> tuple[tuple | None, int]:
     """The lower cost, the earlier position on ties."""
-    if route is not None and (best is None or route.cost_s < best.cost_s
-                              or route.cost_s == best.cost_s and pos < best_pos):
-        return route, pos
+    if price is not None and (best is None or price[0] < best[0]
+                              or price[0] == best[0] and pos < best_pos):
+        return price, pos
     return best, best_pos
 
 
-def _first_lowest(priced) -> Route | None:  # type: ignore[no-untyped-def]
-    """Of (position, route or None) pairs, the lowest cost, the earliest position on ties."""
+def _first_lowest(priced) -> tuple[tuple | None, int]:  # type: ignore[no-untyped-def]
+    """Of (position, price or None) pairs, the lowest cost, the earliest position on ties."""
     best, best_pos = None, -1
-    for pos, route in priced:
-        best, best_pos = _lower(best, best_pos, route, pos)
-    return best
+    for pos, price in priced:
+        best, best_pos = _lower(best, best_pos, price, pos)
+    return best, best_pos

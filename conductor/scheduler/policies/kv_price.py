@@ -141,6 +141,19 @@ class Prices:
 
     def local_route(self, d: InstanceLoad) -> Route | None:
         """`d` computing the prompt itself, or None when it cannot take the request."""
+        price = self.local_price(d)
+        return None if price is None else self.route(d, price)
+
+    def route(self, d: InstanceLoad, price: tuple) -> Route:
+        """The local route of `local_price`'s price."""
+        total, tbt, cached, cost, ttft = price
+        return Route(prefill_id=d.instance_id, decode_id=d.instance_id, cached_blocks=cached,
+                     uncached_tokens=self.n - cached * d.block_size, prefill_s=cost,
+                     predicted_ttft_s=ttft, predicted_tbt_s=tbt, cost_s=total)
+
+    def local_price(self, d: InstanceLoad) -> tuple | None:
+        """`d` computing the prompt itself: (cost, tbt, cached blocks, compute s, TTFT s), or
+        None when it cannot take the request."""
         prm, req, now, n, local = self.prm, self.req, self.now, self.n, self.local
         bs = d.block_size
         loadable = loadable_blocks(n, bs)
@@ -162,9 +175,7 @@ class Prices:
         total = ttft + max(running, 0) * cost
         if d.side:  # and its tokens come at about half speed: one TBT more each
             total = total * prm.side_cost + req.max_tokens * tbt
-        return Route(prefill_id=d.instance_id, decode_id=d.instance_id, cached_blocks=cached,
-                     uncached_tokens=n - cached * bs, prefill_s=cost, predicted_ttft_s=ttft,
-                     predicted_tbt_s=tbt, cost_s=total)
+        return (total, tbt, cached, cost, ttft)
 
 
 def fits(d: InstanceLoad, running: int, sequences: int) -> bool:
