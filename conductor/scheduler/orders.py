@@ -63,6 +63,12 @@ class Orders:
     """(`prefill_wait`, busy_until, id, position): ties in queue order."""
     prefill_odd: frozenset[int]
     """Positions of the prefill-capable instances priced one by one (`odd_prefill`)."""
+    prefill_classes: Mapping[tuple, tuple[str, ...]]
+    """(`prefill_wait`, `InstanceLoad.prefill_like`) -> the ids, in order, of the instances
+    of that class with no prefill queued (busy_until 0) and not odd: idle, they are priced
+    alike but for their hits."""
+    prefill_class_order: tuple[tuple, ...]
+    """(wait, first id, class) of every class in `prefill_classes`, sorted."""
     decode_wait: tuple[Entry, ...]
     """(fastest speed x (1 + running), position): what a prompt computed there costs, per
     second the fitted model gives it, with its streams waiting."""
@@ -99,6 +105,7 @@ class Orders:
             decode_late=_by([i.finishes[SOON] if len(i.finishes) > SOON else _INF
                              for i in decode]),
             decode_speed=_by([i.fastest for i in decode]),
+            **_classes(prefill),
             **_sets(prefill, decode))
 
     def replacing(self, prefill_changes: Iterable[tuple[int, InstanceLoad, InstanceLoad]],
@@ -109,6 +116,7 @@ class Orders:
         new load) per change; `prefill` and `decode` are the new instances."""
         lists: dict[str, list[Entry]] = {}
         sets_stale = False
+        prefill_changes = list(prefill_changes)
         for changes, entries in ((prefill_changes, _prefill_entries),
                                  (decode_changes, lambda i, p: _decode_entries(i, p, tbt))):
             for pos, old, new in changes:
@@ -122,7 +130,10 @@ class Orders:
                         col = lists[name] = list(getattr(self, name))
                     del col[bisect_left(col, before[name])]
                     insort(col, entry)
-        fields = {name: tuple(col) for name, col in lists.items()}
+        fields: dict[str, object] = {name: tuple(col) for name, col in lists.items()}
+        moved = [(old, new) for _, old, new in prefill_changes if _class(old) != _class(new)]
+        if moved:
+            fields.update(self._reclassed(moved))
         if sets_stale:
             fields.update(_sets(prefill, decode))
         if not fields:
@@ -131,6 +142,44 @@ class Orders:
         new.__dict__.update(self.__dict__)
         new.__dict__.update(fields)
         return new
+
+
+    def _reclassed(self, moved: list[tuple[InstanceLoad, InstanceLoad]]) -> dict:
+        classes = dict(self.prefill_classes)
+        order = list(self.prefill_class_order)
+        for old, new in moved:
+            iid = old.instance_id
+            for key, adding in ((_class(old), False), (_class(new), True)):
+                if key is None:
+                    continue
+                members = classes.get(key, ())
+                if members:
+                    del order[bisect_left(order, (key[0], members[0]))]
+                members = tuple(sorted((*members, iid))) if adding else \
+                    tuple(m for m in members if m != iid)
+                if members:
+                    classes[key] = members
+                    insort(order, (key[0], members[0], key))
+                else:
+                    del classes[key]
+        return {"prefill_classes": classes, "prefill_class_order": tuple(order)}
+
+
+def _class(i: InstanceLoad) -> tuple | None:
+    """Its class in `Orders.prefill_classes`, if any."""
+    if i.busy_until != 0.0 or odd_prefill(i):
+        return None
+    return (prefill_wait(i), i.prefill_like)
+
+
+def _classes(prefill: tuple[InstanceLoad, ...]) -> dict:
+    classes: dict[tuple, list[str]] = {}
+    for i in sorted(prefill, key=lambda i: i.instance_id):
+        key = _class(i)
+        if key is not None:
+            classes.setdefault(key, []).append(i.instance_id)
+    return {"prefill_classes": {k: tuple(v) for k, v in classes.items()},
+            "prefill_class_order": tuple(sorted((k[0], v[0], k) for k, v in classes.items()))}
 
 
 def _by(keys: list[float]) -> tuple[Entry, ...]:

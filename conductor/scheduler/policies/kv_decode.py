@@ -50,38 +50,61 @@ def choose_decode(pr: Prices, p: InstanceLoad, arrive: float, save: float, cost:
             pull = pulls[hit] = _pull(pr, hit)
         return tbt + pull
 
-    # one by one, the lowest bound first: more than SOON streams ending before the prefill
-    # does, on the prefill's host (their stalls), the longest hits (their pulls)
+    # one by one: the longest hits (their pulls) first, the lowest bound first; after the
+    # rest, those with more than SOON streams ending before the prefill does and those on
+    # the prefill's host (their stalls)
     late = orders.decode_late
     apart = {pos for _, pos in late[:bisect_right(late, arrive, key=_key)]}
     if p.host:
         apart.update(orders.decode_hosts.get(p.host, ()))
+    apart.discard(skip)  # type: ignore[arg-type]
+    high = set()
     for iid, hit in pr.high.items():
         pos = snap.decode_position(iid)
-        if hit and pos is not None:
-            apart.add(pos)
-    apart.discard(skip)  # type: ignore[arg-type]
+        if hit and pos is not None and pos != skip and pos not in apart:
+            high.add(pos)
     best: DecodeBest | None = None
     ceiling = _INF
-    for b, pos in sorted((bound(pos), pos) for pos in apart):
-        if b == _INF or best is not None and (b, pos) > best[:2]:
-            break
+
+    def consider(pos: int) -> None:
+        nonlocal best, ceiling
         new = _better(best, pr.decode(decode[pos], pos, rows[pos], p, arrive, save, cost))
         if new is not best:
             best, ceiling = new, pr.ceiling(new[0])  # type: ignore[index]
+
+    for b, pos in sorted((bound(pos), pos) for pos in high):
+        if b == _INF or best is not None and (b, pos) > best[:2]:
+            break
+        consider(pos)
     # the rest by `decode_tbt`, their pulls no shorter than the longest hit among them allows
     least = tbt_base + _pull(pr, pr.rest_hit)
     for key, pos in orders.decode_tbt:
         if least + key > ceiling:
             break
-        if pos == skip or pos in apart:
+        if pos == skip or pos in apart or pos in high:
             continue
+        if local and ceiling < _INF:  # its own pull first: the cheaper test
+            hit = local.get(decode[pos].instance_id, 0)
+            pull = pulls.get(hit)
+            if pull is None:
+                pull = pulls[hit] = _pull(pr, hit)
+            if tbt_base + key + pull > ceiling:
+                continue
         b = bound(pos)  # computed as the score is, less terms >= 0: exact, ties and all
         if b == _INF or best is not None and (b, pos) > best[:2]:
             continue
-        new = _better(best, pr.decode(decode[pos], pos, rows[pos], p, arrive, save, cost))
-        if new is not best:
-            best, ceiling = new, pr.ceiling(new[0])  # type: ignore[index]
+        consider(pos)
+    per_seq = max(tm.per_seq_s, 0.0)
+    for pos in apart:
+        if ceiling < _INF:  # every stream ended, its own pull: the cheaper test
+            load_s, _, fin, iid, _ = rows[pos]
+            if tbt_base + load_s - per_seq * len(fin) + _pull(
+                    pr, local.get(iid, 0) if local else 0) > ceiling:
+                continue
+        b = bound(pos)
+        if b == _INF or best is not None and (b, pos) > best[:2]:
+            continue
+        consider(pos)
     return best
 
 

@@ -51,6 +51,15 @@ def choose_local(pr: Prices, cap: float = _INF) -> Route | None:
         return max(d.busy_until - now, 0.0) + pull + pr.model_cost(cached, bs, local=True) \
             * (d.fastest * (1 + max(d.running, 0)))
 
+    def exact(pos: int, hit: int) -> float:
+        """The total of an instance with no streams ending (not side), computed as its price
+        computes it: ties and all."""
+        d = decode[pos]
+        cached = max(hit, pool)
+        pull = pr.tfix + (pool - hit) * pr.tpb if pool > hit else 0.0
+        cost = pr.model_cost(cached, bs, local=True) * d.prefill_speed
+        return max(d.busy_until - now, 0.0) + pull + cost + max(d.running, 0) * cost
+
     # the longest hits compute least: each by its own bound, the lowest first
     high = {}
     for iid, blocks in pr.high.items():
@@ -86,9 +95,13 @@ def choose_local(pr: Prices, cap: float = _INF) -> Route | None:
         if pos in seen:
             continue
         seen.add(pos)
-        if best is not None and not pr.may_beat(bound(pos, min(local.get(
-                decode[pos].instance_id, 0), loadable) if local else 0), best[0]):
-            continue
+        if best is not None:
+            hit = min(local.get(decode[pos].instance_id, 0), loadable) if local else 0
+            if decode[pos].finishes:
+                if not pr.may_beat(bound(pos, hit), best[0]):
+                    continue
+            elif (exact(pos, hit), pos) > (best[0], best_pos):
+                continue
         best, best_pos = _lower(best, best_pos, pr.local_price(decode[pos]), pos)
     return None if best is None or best_pos < 0 else pr.route(decode[best_pos], best)
 

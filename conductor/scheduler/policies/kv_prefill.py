@@ -18,6 +18,8 @@ busy ones in queue order up to where the band ends the walk.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from collections.abc import Mapping
+from itertools import repeat
 
 from conductor.scheduler.orders import Orders, odd_prefill, prefill_wait
 from conductor.scheduler.policies.kv_price import PrefillRow, Prices
@@ -52,31 +54,34 @@ def choose_prefill(pr: Prices) -> PrefillRow:
     for p in sorted((p for p in idle if p.instance_id not in odd_ids),
                     key=lambda p: (walk.bound(p, 0.0, walk.hit(p)), _queue_key(p))):
         walk.row(p, 0.0, idle=True, likes=walk.high_likes)
-    likes, local, loadable = walk.likes, pr.local, pr.loadable
-    order = orders.prefill_wait
-    at, ceiling, rows = 0, pr.ceiling(walk.limit(True)), len(walk.rows)
-    while at < len(order):
-        w, until, iid, pos = order[at]
+    # the rest: classes of the never queued in wait order (one alike instance each, or one
+    # per hit while it decodes streams), then those drained but not yet told, one by one
+    local, by_queue = pr.local, snap.prefill_by_queue()
+    odd_likes = {like[1] for like in walk.shadow}
+    ceiling, rows = pr.ceiling(walk.limit(True)), len(walk.rows)
+    for w, _, key in orders.prefill_class_order:
         if c_rest * w + pull_rest > ceiling:
             break
-        if until - now > 0.0:  # the rest of this wait key is busy: to the next key
-            at = bisect_left(order, (w, _INF), at + 1)
-            continue
-        at += 1
-        if iid not in explicit_ids:
-            p = prefill[pos]
-            like = (min(local.get(iid, 0), loadable) if local else 0, p.prefill_like)
-            if like not in likes:  # else an alike one came before it: the same rank
-                walk.row(p, 0.0, idle=True)
-                if len(walk.rows) > rows:
-                    ceiling, rows = pr.ceiling(walk.limit(True)), len(walk.rows)
+        members = orders.prefill_classes[key]
+        if not key[1][0] and key[1] not in odd_likes:  # the longest hit dominates the rest
+            walk.row(snap.prefill_instance(_longest_hit(members, local, loadable)), 0.0,
+                     idle=True)
+        else:
+            for iid in members:
+                if iid not in explicit_ids:
+                    walk.row(snap.prefill_instance(iid), 0.0, idle=True)
+        if len(walk.rows) > rows:
+            ceiling, rows = pr.ceiling(walk.limit(True)), len(walk.rows)
+    first_busy = bisect_right(by_queue, now, key=_busy_until)
+    for p in by_queue[bisect_right(by_queue, 0.0, key=_busy_until):first_busy]:
+        if p.instance_id not in explicit_ids:
+            walk.row(p, 0.0, idle=True)
 
     # busy candidates, in queue order until the band ends the walk; once none of the rest
     # can matter, only the explicit ones
-    by_queue = snap.prefill_by_queue()
     least_wait = orders.prefill_wait[0][0]
     tail = explicit
-    for p in by_queue[bisect_right(by_queue, now, key=_busy_until):]:
+    for p in by_queue[first_busy:]:
         queue = p.busy_until - now
         if queue + floor > walk.band:
             tail = []
@@ -194,6 +199,17 @@ class _Walk:
             if until - now <= 0.0 and not odd_prefill(q) and _like(q, self.hit(q)) == like:
                 return True
         return False
+
+
+def _longest_hit(members: tuple[str, ...], local: Mapping[str, int], loadable: int) -> str:
+    """The first of `members` holding the longest loadable hit."""
+    if not local:
+        return members[0]
+    hits = list(map(local.get, members, repeat(0)))
+    top = max(hits)
+    if top > loadable:
+        return next(m for m, h in zip(members, hits, strict=True) if h >= loadable)
+    return members[hits.index(top)]
 
 
 def _like(p: InstanceLoad, hit: int) -> tuple:
