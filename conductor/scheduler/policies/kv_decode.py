@@ -5,10 +5,12 @@ order: of those that keep the TBT SLO with room for the request when the prefill
 lowest score (TBT then + the blocks it pulls + the streams a shared core slows + the wait for
 its own prompts), the first on ties.
 
-What it prices: the instances holding a hit, those on the prefill's host, and those with more
-than `orders.SOON` streams predicted to end before the prefill does, one by one; the others
-in the order of `orders.Orders.decode_tbt`, whose key plus what the request adds to every TBT
-and a full pull bounds their score from below, until that bound cannot beat the best.
+What it prices: only instances whose TBT then plus pull, computed as the score computes them
+(the stall and the wait are never negative), could beat the best: the longest hits
+(`kv_price.FEW`) first, then the others in the order of `orders.Orders.decode_tbt` (its key +
+what the request adds to every TBT + the pull of the longest hit among them bounds the rest),
+then those on the prefill's host and those with more than `orders.SOON` streams ending before
+the prefill does.
 """
 
 from __future__ import annotations

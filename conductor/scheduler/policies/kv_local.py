@@ -5,12 +5,14 @@ the TBT SLO with room for the request, the lowest total (its queue + the pull + 
 plus the seconds its running streams wait for it; on a side engine times `side_cost`, plus a
 TBT per output token), the first on ties.
 
-What it prices: the instances holding a hit, side instances, and those with a stream
-predicted to have ended already, one by one; the others, whose totals differ by queue, speed
-and streams only, by threshold: walking `orders.Orders.decode_busy` and `.decode_wait` side by
-side, no instance not yet reached in either order totals less than the next queue + the pull
-+ the pool-served prompt's model seconds times the next wait key. With instances of several
-block sizes, every one is priced.
+What it prices: side instances and those with a stream predicted to have ended already; the
+longest hits (`kv_price.FEW`) by their own bounds; the others by threshold, walking
+`orders.Orders.decode_busy` and `.decode_wait` side by side (no instance not yet reached in
+either totals less than the next queue + the pull + the prompt's model seconds past the
+longest hit among them times the next wait key), each priced only if its own bound (its
+exact total when it has no streams ending) could beat the best. Capped by a disaggregated
+route, only one costing less than the cap is sought. With instances of several block sizes,
+or bounds that do not hold, every one is priced.
 """
 
 from __future__ import annotations

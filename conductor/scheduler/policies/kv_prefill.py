@@ -8,11 +8,13 @@ conceivable prefill is past the tie band of the best so far. Of the candidates w
 first in queue order. A candidate's rank is its TTFT to the prefill's end plus the seconds its
 own streams wait (times `side_cost` on a side engine).
 
-What it prices: the instances holding a hit and the odd ones (`orders.Orders.prefill_odd`) one
-by one; of the others, whose ranks differ by queue, speed and streams only, only those whose
-lower bound (queue + the pool-served prompt at their fastest speed, times their streams + 1)
-reaches the lowest rank of a hit-less candidate so far: idle ones walked in that bound's order,
-busy ones in queue order up to where the band ends the walk.
+What it prices: the odd ones (`orders.Orders.prefill_odd`); of the others, only those whose
+lower bound (their queue + the prompt past their cached prefix at their fastest speed, times
+their streams + 1, + the pull) could be chosen or move the band: the longest hits
+(`kv_price.FEW`) one by one; the idle ones with no prefill queued by class
+(`orders.Orders.prefill_classes`), one per class where none decodes streams (the longest hit
+dominates the others); the busy ones in queue order until the band ends the walk or none
+but the longest hits can matter.
 """
 
 from __future__ import annotations

@@ -83,10 +83,6 @@ class Prices:
 
     # ---------------------------------------------------------------- prefill side
 
-    def prefill_hit(self, p: InstanceLoad) -> int:
-        local = self.local
-        return min(local.get(p.instance_id, 0) if local else 0, self.loadable)
-
     def prefill(self, p: InstanceLoad, queue: float, hit: int) -> PrefillRow:
         """A disaggregated route's prefill on `p` after `queue` seconds: (rank, hit, queue
         key, p, cached, cost, TTFT to the prefill's end)."""
@@ -138,11 +134,6 @@ class Prices:
         return base + (self.tfix + self.loadable * self.tpb if self.loadable else 0.0)
 
     # ---------------------------------------------------------------- local
-
-    def local_route(self, d: InstanceLoad) -> Route | None:
-        """`d` computing the prompt itself, or None when it cannot take the request."""
-        price = self.local_price(d)
-        return None if price is None else self.route(d, price)
 
     def route(self, d: InstanceLoad, price: tuple) -> Route:
         """The local route of `local_price`'s price."""
