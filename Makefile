@@ -75,9 +75,12 @@ lint: install
 docs: install
 	$(PY) -m tools.configdoc
 
-# The scheduler's decision latency at 64x64 instances and a 1M-block index (last line: summary).
+# The scheduler's decision latency at 64x64 instances and a 1M-block index, then at 256x256 and
+# 1024x1024 (last line: summary). About 6 minutes. SCHED_ARGS: e.g. --profile (where the
+# decision's time goes), --no-scales.
+SCHED_ARGS ?=
 bench-sched: install
-	$(PY) -m benchmarks.bench_sched
+	$(PY) -m benchmarks.bench_sched $(SCHED_ARGS)
 
 # KV blocks through the Mooncake Store pool between two processes, against raw loopback TCP
 # and memcpy measured in the same run (last line: summary). About 2-3 minutes.

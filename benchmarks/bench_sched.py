@@ -5,14 +5,19 @@ A snapshot of 64 prefill and 64 decode instances under load, a KV index of 1,000
 instances each), and 8K-token prompts with realistic prefix overlap. Timed per decision: the
 index lookup, the scoring and the choice (`index.match` + the policy), as the conductor does
 per request; hashing the prompt is timed apart (it happens once, in `prepare`), so is
-freezing the snapshot. The last line is the summary the issue specifies.
+freezing the snapshot. Then kv_centric and round_robin again at 256x256 and 1,024x1,024
+instances over indexes of `--blocks` and twice that, and the decision's share of the
+conductor's work per request. `--profile` prints where kv_centric's decision spends its time
+instead. The last line is the summary.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import logging
+import pstats
 import random
 import sys
 import time
@@ -36,6 +41,13 @@ BLOCK = 32
 PROMPT_TOKENS = 8192
 PROMPT_BLOCKS = PROMPT_TOKENS // BLOCK
 NOW = 10_000.0
+SCALES = ((256, 1), (1024, 2))
+"""(instances per role, index blocks in units of --blocks) of the scaled runs"""
+CONDUCTOR_US = 1470.0
+"""The conductor's own work per 1-token request on the chosen shape, accept + parse + route
++ answer (0.21 + 0.55 + 0.29 + 0.42 ms, medians of the probes' timelines: docs/design.md,
+"The conductor's own cost", the Xeon of 2026-11-28): wall-clock on another machine, so the
+share derived from it is an estimate; the share of the router's work is measured here."""
 
 
 def build_loads(rng: random.Random, n_prefill: int, n_decode: int) -> list[LoadState]:
@@ -182,6 +194,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--decisions", type=int, default=20_000)
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--scaled-decisions", type=int, default=5_000)
+    ap.add_argument("--no-scales", action="store_true", help="64x64 only")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile kv_centric's decisions at 64x64 and stop")
     a = ap.parse_args(argv)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     rng = random.Random(a.seed)
@@ -206,6 +222,9 @@ def main(argv: list[str] | None = None) -> None:
 
     gc.collect()
     gc.freeze()  # the index is long-lived: keep the collector from rescanning it
+    if a.profile:
+        profile_decisions(index, snap, requests)
+        return
     print(f"per decision (index lookup + scoring + choice): {a.decisions} decisions x "
           f"{a.passes} passes per policy, CPU time of this thread; p50/p99 of the median pass "
           "(by p99), every pass's p99 beside it, and the wall-clock p99 of that pass.")
@@ -242,9 +261,60 @@ def main(argv: list[str] | None = None) -> None:
           f"hashing an {PROMPT_TOKENS}-token prompt {hash_us:.0f}us")
 
     kv = results["kv_centric"]
-    print(f"sched p50_us={pct(kv, 0.5):.1f} p99_us={pct(kv, 0.99):.1f} "
+    print(f"kv_centric's decision at p50 over the router's work per request (same run): "
+          f"{pct(kv, 0.5) / pct(steady, 0.5):.0%}; over the conductor's per-request work, "
+          f"{CONDUCTOR_US:.0f}us from docs/design.md (another machine, wall-clock): "
+          f"{pct(kv, 0.5) / CONDUCTOR_US:.1%}")
+    scaled = {} if a.no_scales else {
+        n: time_scaled(rng, n, a.blocks * k, a.scaled_decisions) for n, k in SCALES}
+    extra = " ".join(f"p99_us_{n}={pct(kv_n, 0.99):.1f}" for n, (kv_n, _) in scaled.items())
+    print(f"sched p50_us={pct(kv, 0.5):.1f} p99_us={pct(kv, 0.99):.1f} {extra} "
           f"instances={a.prefill}x{a.decode} blocks={len(index)} "
           f"index_mb={index_bytes / 1e6:.1f} rr_p99_us={pct(results['round_robin'], 0.99):.1f}")
+
+
+def time_scaled(rng: random.Random, n: int, blocks: int, decisions: int
+                ) -> tuple[list[float], list[float]]:
+    """kv_centric's and round_robin's decisions at n x n instances over `blocks` blocks: the
+    CPU times of the median of three passes (by p99) each, printed."""
+    snap = ClusterSnapshot(tuple(s.view(rng.randrange(0, 20_000))
+                                 for s in build_loads(rng, n, n)), NOW, SchedulerParams())
+    prefill = [i.instance_id for i in snap.prefill()]
+    decode = [i.instance_id for i in snap.decode()]
+    t0 = time.perf_counter()
+    gc.unfreeze()
+    index, systems, conversations = build_index(rng, blocks, prefill + decode, prefill, decode)
+    requests = make_requests(rng, decisions, systems, conversations)
+    gc.collect()
+    gc.freeze()
+    built = time.perf_counter() - t0
+    out = []
+    for name in ("kv_centric", "round_robin"):
+        passes = []
+        for _ in range(3):
+            time_decisions(index, snap, requests[:200], POLICIES[name])  # warm up
+            passes.append(time_decisions(index, snap, requests, POLICIES[name]))
+        cpu, wall, got = sorted(passes, key=lambda r: pct(r[0], 0.99))[1]
+        out.append(cpu)
+        print(f"{n}x{n}, {len(index)} blocks (built in {built:.0f}s), {name:>11}: "
+              f"p50={pct(cpu, 0.5):6.1f}us p99={pct(cpu, 0.99):6.1f}us "
+              f"(wall p99 {pct(wall, 0.99):.0f}) | routed={got['route']} "
+              f"local_prefill={got['local']} rejected={got['reject']}")
+    return out[0], out[1]
+
+
+def profile_decisions(index: KVIndex, snap: ClusterSnapshot, requests: list[RouteRequest]
+                      ) -> None:
+    """cProfile over kv_centric's decisions (the lookups done beforehand, apart)."""
+    full = [RouteRequest(r.num_prompt_tokens, r.block_hashes, index.match(r.block_hashes),
+                         r.max_tokens, r.seq) for r in requests]
+    policy = POLICIES["kv_centric"]
+    prof = cProfile.Profile()
+    prof.enable()
+    for req in full:
+        policy(snap, req)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(20)
 
 
 if __name__ == "__main__":

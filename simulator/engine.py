@@ -96,6 +96,10 @@ class Simulation:
             cache = BlockCache(profile.local_cache_blocks, spec.eviction, self._evicted(iid))
             self.instances.append(Instance(iid, role, load, cache, cap))
         self.by_id = {i.iid: i for i in self.instances}
+        self._snap: ClusterSnapshot | None = None
+        self._dirty: set[str] = set()
+        for inst in self.instances:
+            inst.load.on_change = self._dirty.add
         self.results: list[RequestResult] = []
         self.events: list[tuple[float, int, int, object]] = []
         self._seq = 0
@@ -129,9 +133,19 @@ class Simulation:
     # ------------------------------------------------------------------ routing
 
     def snapshot(self) -> ClusterSnapshot:
-        idx = self.index
-        return ClusterSnapshot(tuple(i.load.view(idx.blocks(i.iid)) for i in self.instances),
-                               self.now, self.params)
+        """As the conductor's registry keeps it: the previous one patched with the instances
+        whose load or indexed blocks changed since."""
+        idx, dirty = self.index, self._dirty
+        dirty.update(idx.take_changed())
+        if self._snap is None:
+            self._snap = ClusterSnapshot(tuple(i.load.view(idx.blocks(i.iid))
+                                               for i in self.instances), self.now, self.params)
+        else:
+            by_id = self.by_id
+            self._snap = self._snap.replacing(
+                [by_id[iid].load.view(idx.blocks(iid)) for iid in dirty], self.now)
+        dirty.clear()
+        return self._snap
 
     def arrive(self, i: int) -> None:
         if self.on_arrival is not None:

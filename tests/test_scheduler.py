@@ -610,6 +610,7 @@ def test_a_patched_snapshot_equals_one_frozen_whole():
         assert patched.instances == whole.instances
         assert patched.prefill_by_queue() == whole.prefill_by_queue()
         assert patched.decode_rows() == whole.decode_rows()
+        assert patched.orders() == whole.orders()
         assert patched.prefill() == whole.prefill() and patched.decode() == whole.decode()
         req = request(rng.randrange(40, 2000), pool=rng.randrange(0, 4), seq=n,
                       **{f"p{rng.randrange(6)}": rng.randrange(0, 30)})

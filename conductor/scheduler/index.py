@@ -269,6 +269,7 @@ class KVIndex:
             return _EMPTY
         named = self._named
         out: dict[str, int] = {}
+        levels: list[tuple[int, tuple[str, ...]]] = []
         lo = 0
         while True:  # blocks lo.. are held by every location in m: bisect where that ends
             ok, hi = lo, n
@@ -279,15 +280,19 @@ class KVIndex:
                 else:
                     hi = mid
             if hi >= n:
-                out.update(dict.fromkeys(named.get(m) or self._name(m), n))
+                levels.append((n, names := named.get(m) or self._name(m)))
+                out.update(dict.fromkeys(names, n))
                 break
             rest = (y(h := hashes[hi]) or o(h, 0)) & m
             gone = m & ~rest
-            out.update(dict.fromkeys(named.get(gone) or self._name(gone), hi))
+            levels.append((hi, names := named.get(gone) or self._name(gone)))
+            out.update(dict.fromkeys(names, hi))
             if not rest:
                 break
             m, lo = rest, hi
-        return PrefixMatch(pool=out.pop(POOL, 0), local=out, longest=n if hi >= n else hi)
+        levels.reverse()
+        return PrefixMatch(pool=out.pop(POOL, 0), local=out, longest=n if hi >= n else hi,
+                           levels=tuple(levels))
 
 
     def _name(self, bits: int) -> tuple[str, ...]:

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from conductor.scheduler.decode_model import TbtModel
+from conductor.scheduler.orders import Orders
 from conductor.scheduler.prefill_model import PrefillTimeModel
 
 BESIDE_PRIOR = 1.4
@@ -74,6 +75,22 @@ class InstanceLoad:
     prefill_speed_beside: float | None = None
     """The same while streams of its own decode beside the prompt (None: not timed yet,
     `BESIDE_PRIOR` times `prefill_speed`)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fastest", min(self.prefill_speed, beside_speed(
+            self.prefill_speed, self.prefill_speed_beside)))
+        decoding = self.running if self.can_decode() else 0
+        object.__setattr__(self, "prefill_like", (
+            decoding, self.prefill_speed, self.prefill_speed_beside,
+            self.finishes[-1] if decoding and self.finishes else 0.0))
+
+    fastest: float = field(init=False, repr=False, compare=False)
+    """The lower of its two speeds: no prefill here takes less than this many times the
+    fitted model's prediction (`prefill_seconds`)."""
+    prefill_like: tuple = field(init=False, repr=False, compare=False)
+    """What tells its idle prefill price from another's, but for its side and hit: the
+    streams it decodes, its speeds and its last finish (kv_centric prices one of alike idle
+    instances)."""
 
     def speed(self, beside: bool) -> float:
         """Its prefill speed with (`beside`) or without streams of its own decoding."""
@@ -154,6 +171,7 @@ class ClusterSnapshot:
              _prefill_by_id={i.instance_id: i for i in prefill},
              _prefill_by_queue=tuple(sorted(prefill, key=_queue_key)),
              _decode_rows=tuple(_decode_row(tbt, i) for i in decode),
+             _orders=Orders.build(prefill, decode, tbt),
              _pos={i.instance_id: n for n, i in enumerate(self.instances)},
              _prefill_pos={i.instance_id: n for n, i in enumerate(prefill)},
              _decode_pos={i.instance_id: n for n, i in enumerate(decode)})
@@ -180,6 +198,7 @@ class ClusterSnapshot:
         by_queue = list(self._prefill_by_queue)  # type: ignore[attr-defined]
         by_id = self._prefill_by_id  # type: ignore[attr-defined]
         tbt = self.params.tbt
+        prefill_changes, decode_changes = [], []
         for load in changed:
             iid = load.instance_id
             old = instances[pos[iid]]
@@ -187,6 +206,7 @@ class ClusterSnapshot:
                 raise ValueError(f"{iid}: a role change needs a new snapshot")
             instances[pos[iid]] = load
             if iid in ppos:
+                prefill_changes.append((ppos[iid], prefill[ppos[iid]], load))
                 prefill[ppos[iid]] = load
                 if by_id is self._prefill_by_id:  # type: ignore[attr-defined]
                     by_id = dict(by_id)
@@ -195,10 +215,15 @@ class ClusterSnapshot:
                 del by_queue[at]
                 insort(by_queue, load, key=_queue_key)
             if iid in dpos:
+                decode_changes.append((dpos[iid], decode[dpos[iid]], load))
                 decode[dpos[iid]] = load
                 rows[dpos[iid]] = _decode_row(tbt, load)
-        _set(new, instances=tuple(instances), _prefill=tuple(prefill), _decode=tuple(decode),
-             _prefill_by_id=by_id, _prefill_by_queue=tuple(by_queue), _decode_rows=tuple(rows))
+        prefill_t, decode_t = tuple(prefill), tuple(decode)
+        orders = self._orders.replacing(  # type: ignore[attr-defined]
+            prefill_changes, decode_changes, prefill_t, decode_t, tbt)
+        _set(new, instances=tuple(instances), _prefill=prefill_t, _decode=decode_t,
+             _prefill_by_id=by_id, _prefill_by_queue=tuple(by_queue), _decode_rows=tuple(rows),
+             _orders=orders)
         return new
 
     def prefill(self) -> tuple[InstanceLoad, ...]:
@@ -216,6 +241,18 @@ class ClusterSnapshot:
         (the TBT model's load term for its running requests and KV, its free KV tokens,
         its predicted finish times, its id, its load)."""
         return self._decode_rows  # type: ignore[attr-defined]
+
+    def orders(self) -> Orders:
+        """The instances sorted by the bounds kv_centric's searches walk (`orders.Orders`)."""
+        return self._orders  # type: ignore[attr-defined]
+
+    def prefill_position(self, instance_id: str) -> int | None:
+        """Its index in `prefill()`, if it can prefill."""
+        return self._prefill_pos.get(instance_id)  # type: ignore[attr-defined]
+
+    def decode_position(self, instance_id: str) -> int | None:
+        """Its index in `decode()`, if it can decode."""
+        return self._decode_pos.get(instance_id)  # type: ignore[attr-defined]
 
     def prefill_instance(self, instance_id: str) -> InstanceLoad | None:
         """The prefill-capable instance of that id, if any."""
@@ -265,10 +302,19 @@ class PrefixMatch:
     local: Mapping[str, int] = field(default_factory=dict)
     longest: int = 0
     """The longest of them all (computed when not given)."""
+    levels: tuple[tuple[int, tuple[str, ...]], ...] = field(default=(), compare=False)
+    """`local` grouped: (blocks, the locations holding that many), the most blocks first; a
+    group may name the pool too (computed from `local` when not given; the index gives it)."""
 
     def __post_init__(self) -> None:
         if not self.longest and (self.pool or self.local):
             object.__setattr__(self, "longest", max(self.pool, *self.local.values(), 0))
+        if not self.levels and self.local:
+            groups: dict[int, list[str]] = {}
+            for name, blocks in self.local.items():
+                groups.setdefault(blocks, []).append(name)
+            object.__setattr__(self, "levels", tuple(
+                (blocks, tuple(names)) for blocks, names in sorted(groups.items(), reverse=True)))
 
 
 @dataclass(frozen=True)
