@@ -24,6 +24,12 @@ from store.block_hash import block_hashes, block_key
 from tests.hosts import net
 from tests.hosts.cluster import ENGINE_THREADS, Cluster
 
+LOGPROB_TOL = 1e-4
+"""How far a logprob may be from the reference's, as in tests/test_e2e.py, whose negative
+control (corrupt blocks loaded) shows wrong KV moving them far past it. On an AVX2-only EPYC
+the cross-host answers differ from the reference by 1.19e-6 even at equal thread counts, for
+a reason not yet found (docs/design.md, "Exact comparisons")."""
+
 MOONCAKE_LISTEN = re.compile(r"Transfer Engine RPC .*listening on \S+:(\d+)|"
                              r"TcpTransport: listen on port (\d+)")
 """What a transfer engine logs of the ports it listens on (mooncake-transfer-engine 0.3.13)."""
@@ -206,7 +212,7 @@ class Checks:
     def serve(self) -> str:
         """With decode-b drained, B's prefill saves the prompt's blocks in B's segment and C's
         decode loads them over Mooncake's TCP transport: counted, and bit-identical to the
-        standalone engine, tokens and logprobs."""
+        standalone engine's tokens, and its logprobs within `LOGPROB_TOL`."""
         self.cluster.ctl("drain", "decode-b")
         kv, ids, lps = self._complete("completion", 32)
         if (kv["prefill_instance"], kv["decode_instance"]) != ("prefill-b", "decode-c") \
@@ -218,12 +224,12 @@ class Checks:
         ids, lps, _ = self._stream(self._body("stream", 32, stream=True))
         drift.append(self._identical("stream", ids, lps))
         self.served += 1
-        if max(drift) != 0.0:
+        if max(drift) > LOGPROB_TOL:
             raise AssertionError(f"tokens identical, logprobs not: largest difference "
-                                 f"{max(drift):.3g}")
+                                 f"{max(drift):.3g} (tolerance {LOGPROB_TOL:g})")
         return (f"completion: C loaded {kv['blocks_loaded']} blocks, held in segments "
-                f"{where}; completion and stream: 32 tokens each, tokens and logprobs "
-                f"identical to the reference")
+                f"{where}; completion and stream: 32 tokens each, tokens identical to the "
+                f"reference, logprobs within {max(drift):.3g}")
 
     def partition_c(self) -> str:
         """A stream on C; after 8 tokens C's link goes down (decode-b drained until then):
