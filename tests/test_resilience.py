@@ -275,6 +275,17 @@ def test_a_decode_instance_that_left_during_the_prefill_still_answers(model_dir)
         assert metric(c.url, "kvcluster_retries_total", stage="decode") == 0
 
 
+def _gated_decodes(c, chunks: int) -> dict[str, threading.Event]:
+    """Every decode worker streams slowly and stops after `chunks` chunks until its gate."""
+    gates = {}
+    for iid, w in c.workers.items():
+        if iid.startswith("decode"):
+            gates[iid] = threading.Event()
+            w.knobs = Knobs(continue_sequence=True, token_delay_s=0.01,
+                            decode_gate=gates[iid], gate_after_chunks=chunks)
+    return gates
+
+
 def test_a_decode_instance_that_stops_answering_has_its_streams_moved_before_the_deadline(
         model_dir):
     """A wedged worker (its health checks unanswered twice) has its calls cancelled: the
@@ -282,12 +293,7 @@ def test_a_decode_instance_that_stops_answering_has_its_streams_moved_before_the
     with LocalConductor(model_dir, roles=("prefill", "decode", "decode"),
                         conductor_args=("--health-interval-s", "0.2",
                                         "--stall-timeout-s", "120")) as c:
-        gates = {}
-        for iid, w in c.workers.items():
-            if iid.startswith("decode"):
-                gates[iid] = threading.Event()
-                w.knobs = Knobs(continue_sequence=True, token_delay_s=0.01,
-                                decode_gate=gates[iid], gate_after_chunks=3)
+        gates = _gated_decodes(c, 3)
         out: list[httpx.Response] = []
         t = threading.Thread(target=lambda: out.append(
             complete(c.url, PROMPT, max_tokens=10, stream=True)))
@@ -342,12 +348,7 @@ def test_a_decode_instance_whose_engine_stalls_has_its_streams_moved_and_no_new_
     with LocalConductor(model_dir, roles=("prefill", "decode", "decode"),
                         conductor_args=("--health-interval-s", "0.2",
                                         "--stall-timeout-s", "120")) as c:
-        gates = {}
-        for iid, w in c.workers.items():
-            if iid.startswith("decode"):
-                gates[iid] = threading.Event()
-                w.knobs = Knobs(continue_sequence=True, token_delay_s=0.01,
-                                decode_gate=gates[iid], gate_after_chunks=chunks)
+        gates = _gated_decodes(c, chunks)
         out: list[httpx.Response] = []
         t = threading.Thread(target=lambda: out.append(
             complete(c.url, PROMPT, max_tokens=10, stream=True)))
