@@ -13,8 +13,6 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
-
 from benchmarks import chaos
 from benchmarks.chaos import tenants
 from benchmarks.chaos.config import (
@@ -149,9 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         chaos.thread.start()
         # a connection per request: a pooled one the server closed while idle would show as
         # a reset that no fault caused
-        client = tenants.client(flood.keys["ops"], args.concurrency) if flood else \
-            httpx.Client(limits=httpx.Limits(max_connections=args.concurrency + 4,
-                                             max_keepalive_connections=0))
+        client = tenants.client(flood.keys["ops"] if flood else "", args.concurrency)
         slots = threading.Semaphore(args.concurrency)
         lock = threading.Lock()
         tally: Counter[str] = Counter()
